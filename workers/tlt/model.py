@@ -1,0 +1,338 @@
+"""Decoder-only transformer of the Llama / Qwen2 family with a ragged, rollback-able KV cache.
+
+The network and its cache, nothing else (generation lives in rollout.py). Module names match
+Hugging Face's, so checkpoints load 1:1:
+
+    model = Transformer.from_pretrained("var/models/smollm2-135m")   # config.json + *.safetensors
+    out = model(tokens, positions)                                  # training: causal, no cache
+    cache = model.new_cache(batch=4, max_len=512)
+    out = model(tokens, positions, cache=cache, write_pos=positions, mask=mask)
+
+Every row of a batch has its own cache length (`cache.lengths`), so sequences of different
+lengths decode together without padding on the left, several tokens can be appended per step
+(speculative verification), and rejected tokens are rolled back by lowering the row's length:
+their stale entries are masked out and overwritten later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other HF keys, written back on save
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        rope_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope scaling {rope_scaling!r} is not supported")
+        theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        known = {
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+            "tie_word_embeddings", "attention_bias", "architectures", "bos_token_id", "eos_token_id",
+        }
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or 0,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch == "LlamaForCausalLM"),
+            attention_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            architecture=arch,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        data = asdict(self)
+        extra = data.pop("extra")
+        arch = data.pop("architecture")
+        out = {**extra, **data, "architectures": [arch], "model_type": "qwen2" if arch.startswith("Qwen2") else "llama"}
+        if arch == "Qwen2ForCausalLM":
+            out.pop("attention_bias")  # Qwen2 always has q/k/v bias; its config has no such key
+        return out
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+class KVCache:
+    """Per-layer keys/values [B, S, n_kv, hd] plus each row's filled length.
+
+    Entries at index >= lengths[b] are garbage by contract: attention masks exclude them and the
+    next write overwrites them, which is what makes rollback a matter of lowering `lengths`.
+    """
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv: int, head_dim: int, dtype, device):
+        shape = (batch, max_len, n_kv, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Drop finished sequences: keep only `rows` (indices), in that order."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.lengths = self.lengths.index_select(0, rows)
+
+    def move(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Copy entries src[i, j] -> dst[i, j] for row rows[i] in every layer (tree path compaction).
+
+        rows: [N], src/dst: [N, M] cache indices. Reads all sources before writing any destination.
+        """
+        r = rows[:, None].expand_as(src)
+        for t in self.k + self.v:
+            t[r, dst] = t[r, src].clone()
+
+
+class ModelOutput(NamedTuple):
+    logits: Tensor  # [B, T, V]
+    hidden: Tensor  # [B, T, D] last layer after the final norm (what the drafter reads)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # computed in float32 like the reference implementations, for bit-level agreement
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin: [B, T, hd] for absolute positions [B, T] (HF's rotate-half layout)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=positions.device).float() / cfg.head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, T, h, hd]; cos/sin: [B, T, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, :, None] + rotated * sin[:, :, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], layer: int, cache: KVCache | None,
+                write_pos: Tensor | None, mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = _apply_rope(self.q_proj(x).view(B, T, -1, hd), *rope)
+        k = _apply_rope(self.k_proj(x).view(B, T, -1, hd), *rope)
+        v = self.v_proj(x).view(B, T, -1, hd)
+        if cache is None:
+            # training / scoring: plain causal attention over the T tokens
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True)
+        else:
+            rows = torch.arange(B, device=x.device)[:, None]
+            cache.k[layer][rows, write_pos] = k
+            cache.v[layer][rows, write_pos] = v
+            S = mask.shape[-1]  # only the filled prefix of the cache is attended to
+            keys = cache.k[layer][:, :S].transpose(1, 2)
+            values = cache.v[layer][:, :S].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                                 enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        # EAGLE drafters drop the first layer's input norm (their input is already a fused state)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, rope, layer: int, cache, write_pos, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, layer, cache, write_pos, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """The policy (target) model. `model.model.*` and `lm_head` mirror HF's parameter names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
+                write_pos: Tensor | None = None, mask: Tensor | None = None, logits: bool = True) -> ModelOutput:
+        """tokens/positions/write_pos: [B, T]; mask: [B, T, S] bool (True = may attend), S <= max_len.
+
+        Without a cache the T tokens attend causally to each other (training, scoring). With one,
+        their keys/values are written at `write_pos` (default: `positions`) and each query attends
+        to the cache entries its mask row allows; the caller advances `cache.lengths`.
+        """
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        if cache is not None:
+            write_pos = positions if write_pos is None else write_pos
+            if mask is None:
+                mask = causal_mask(cache.lengths, T, int(cache.lengths.max()) + T)
+        rope = rope_tables(self.config, positions)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, i, cache, write_pos, mask)
+        hidden = self.model.norm(x)
+        return ModelOutput(self.lm_head(hidden) if logits else hidden.new_empty(0), hidden)
+
+    # --- Hugging Face folders -------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "Transformer":
+        """Load config.json + *.safetensors from a local folder; never touches the network."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state: dict[str, Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(str(f), device=str(device)))
+        if not state:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.to(device)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        hf = self.config.to_hf()
+        hf["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        (folder / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def causal_mask(lengths: Tensor, T: int, S: int) -> Tensor:
+    """[B, T, S] mask for T new tokens appended at each row's `lengths`: query t sees keys < len + t + 1."""
+    keys = torch.arange(S, device=lengths.device)
+    limit = lengths[:, None] + torch.arange(T, device=lengths.device)[None, :] + 1  # [B, T]
+    return keys[None, None, :] < limit[:, :, None]
+
+
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 style init for models trained from scratch (scaled residual projections)."""
+    n_layers = max(1, sum(1 for m in model.modules() if isinstance(m, DecoderLayer)))
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            continue  # norms keep ones, biases keep zeros
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            nn.init.normal_(p, 0.0, std / math.sqrt(2 * n_layers))
+        else:
+            nn.init.normal_(p, 0.0, std)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "bias" in name:
+            nn.init.zeros_(p)
