@@ -1,0 +1,98 @@
+"""Spot drafter training: one drafter, whole updates only, preemption at the end of the rollout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+from workers.tlt.ray_workers import CoordinatorImpl, spot_train
+
+
+class CountingDrafter(nn.Module):
+    """Stands in for the drafter: one weight that a training step increments by 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+
+class SlowTrainer:
+    """DrafterTrainer's contract: train(buffer, max_steps, should_stop), stop between micro-steps."""
+
+    def __init__(self, drafter, step_s=0.002):
+        self.drafter = drafter
+        self.step_s = step_s
+
+    def train(self, buffer, max_steps, should_stop):
+        assert len(buffer) > 0
+        done = 0
+        for _ in range(max_steps):
+            if should_stop():
+                return {"steps": done, "preempted": True}
+            time.sleep(self.step_s)
+            with torch.no_grad():
+                self.drafter.w += 1.0
+            done += 1
+        return {"steps": done, "loss": 1.0 / (1 + done), "accuracy": 0.5}
+
+
+def records(n=4):
+    return [{"tokens": torch.arange(6), "hidden": torch.zeros(6, 2), "response_start": 2, "step": 1} for _ in range(n)]
+
+
+def run_workers(coord, n_workers, preempt_after_s, chunk=4):
+    results = {}
+
+    def work(i):
+        d = CountingDrafter()
+        coord.report_done(i, [records()])
+        results[i] = spot_train(i, coord, d, SlowTrainer(d), batch_tokens=64, chunk_steps=chunk)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_workers)]
+    for t in threads:
+        t.start()
+    time.sleep(preempt_after_s)
+    coord.preempt()
+    for t in threads:
+        t.join(timeout=10)
+    return results
+
+
+def test_preemption_never_leaves_a_half_applied_update():
+    for preempt_after in (0.0, 0.005, 0.013, 0.03, 0.051):
+        coord = CoordinatorImpl(num_workers=3)
+        coord.begin_step(1, {"w": torch.zeros(3)}, [])
+        results = run_workers(coord, n_workers=2, preempt_after_s=preempt_after, chunk=4)
+        master, stats = coord.finish()
+        # each whole update adds exactly 4 from its round's start; averaging whole updates keeps that
+        assert torch.all(master["w"] == master["w"][0])
+        assert float(master["w"][0]) % 4 == 0, (preempt_after, master)
+        assert float(master["w"][0]) == 4 * coord.version
+        assert stats["drafter/version"] == coord.version
+        assert all(steps % 4 == 0 for _, steps in results.values())
+
+
+def test_idle_workers_train_one_drafter_that_keeps_improving_until_preempted():
+    coord = CoordinatorImpl(num_workers=3)
+    coord.begin_step(1, {"w": torch.zeros(3)}, [records()])
+    results = run_workers(coord, n_workers=2, preempt_after_s=0.2)
+    master, stats = coord.finish()
+    assert coord.version >= 3  # several rounds of averaged whole updates
+    assert stats["drafter/updates"] >= coord.version
+    assert stats["drafter/steps"] == sum(steps for _, steps in results.values())
+    assert 0.0 < stats["drafter/loss"] < 1.0
+    for intervals, _ in results.values():
+        assert intervals and intervals[0][1] >= intervals[0][0]
+
+
+def test_the_last_worker_to_finish_preempts_and_does_not_train():
+    coord = CoordinatorImpl(num_workers=2)
+    coord.begin_step(1, {"w": torch.zeros(3)}, [])
+    assert coord.report_done(0, [records()]) is True
+    assert coord.should_stop() is False
+    assert coord.report_done(1, [records()]) is False  # the rollout is over
+    assert coord.should_stop() is True
+    assert coord.fetch(0) is None

@@ -1,0 +1,374 @@
+"""Ray actors of a TLT run: rollout workers and the spot-training coordinator.
+
+The driver (trainer.py) owns the data flow of a step; these actors own models:
+
+    RolloutWorker   one per GPU (num_gpus=1) or CPU slot (num_cpus=1): a policy copy, a drafter copy,
+                    the SD bandit. `rollout()` generates its shard, then, when spot training is on,
+                    reports idle to the coordinator and trains the drafter until it is preempted.
+    Coordinator     num_cpus=0: the one master drafter of the step, the preemption flag, the online
+                    buffer's references. Preempts all drafter training the moment the last worker
+                    reports its rollout done.
+
+Spot training keeps ONE drafter. Training happens in rounds: a worker `fetch`es the master weights
+(version v) and a disjoint slice of the buffer, trains SPOT_CHUNK_STEPS optimizer steps from them,
+and `submit`s the result. Workers that fetched v form round v; when every member has submitted,
+the master becomes the parameter average of their results (version v+1). A preempted member drops
+its partial work; the round closes with the whole updates that were submitted. An update is thus
+applied whole or not at all, and idle workers never drift apart. The driver collects the master at
+the end of the rollout and ships it to every worker with the next weight sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+log = logging.getLogger(__name__)
+
+SPOT_CHUNK_STEPS = 4  # drafter optimizer steps per whole update (the unit that is applied or dropped)
+FETCH_RETRY_S = 0.005  # poll interval of a worker waiting for the round to close or for data
+
+
+def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Parameter average of whole updates (delegates to drafter_train when it is there)."""
+    try:
+        from .drafter_train import average_state_dicts
+    except ImportError:  # pragma: no cover - until the drafter trainer lands
+        average_state_dicts = None
+    if average_state_dicts is not None:
+        return average_state_dicts(states)
+    if len(states) == 1:
+        return {k: v.clone() for k, v in states[0].items()}
+    return {k: torch.stack([s[k].float() for s in states]).mean(0).to(states[0][k].dtype) for k in states[0]}
+
+
+class CoordinatorImpl:
+    """Master drafter, preemption flag and buffer references of one run (see the module doc).
+
+    A plain class so tests can drive it directly; `Coordinator` is its Ray actor (threaded, so a
+    worker polling `should_stop` is never blocked behind another's `submit`).
+    """
+
+    def __init__(self, num_workers: int, seed: int = 0):
+        self.num_workers = num_workers
+        self.seed = seed
+        self._lock = threading.Lock()
+        self.step = 0
+        self.master: dict[str, torch.Tensor] = {}
+        self.version = 0
+        self.preempted = True  # nothing to train until begin_step
+        self.done: dict[int, float] = {}
+        self.data_refs: list[Any] = []  # ObjectRefs of record lists (previous buffer + this step's)
+        self._round: dict[str, Any] | None = None
+        self.stats: dict[str, Any] = {}
+        self.history: list[int] = []  # versions applied this step (for tests/diagnostics)
+
+    # --- driver side --------------------------------------------------------------------------
+
+    def begin_step(self, step: int, drafter_state: dict[str, torch.Tensor], data_refs: list[Any]) -> None:
+        with self._lock:
+            self.step = step
+            self.master = drafter_state
+            self.version = 0
+            self.preempted = False
+            self.done = {}
+            self.data_refs = list(data_refs)
+            self._round = None
+            self.history = []
+            self.stats = {"steps": 0, "updates": 0, "dropped": 0, "loss": [], "accuracy": [], "preempt_at": None}
+
+    def preempt(self) -> None:
+        with self._lock:
+            self._preempt_locked()
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The master drafter after this step's spot training, and its stats (call after preemption)."""
+        with self._lock:
+            self._preempt_locked()
+            if self._round is not None:
+                self._close_round_locked()
+            s = self.stats
+            out = {
+                "drafter/steps": float(s["steps"]),
+                "drafter/updates": float(s["updates"]),
+                "drafter/dropped_updates": float(s["dropped"]),
+                "drafter/version": float(self.version),
+            }
+            if s["loss"]:
+                out["drafter/loss"] = float(sum(s["loss"][-8:]) / len(s["loss"][-8:]))
+            if s["accuracy"]:
+                out["drafter/accuracy"] = float(sum(s["accuracy"][-8:]) / len(s["accuracy"][-8:]))
+            return self.master, out
+
+    # --- worker side --------------------------------------------------------------------------
+
+    def report_done(self, worker: int, records_ref: list[Any]) -> bool:
+        """A worker finished its rollout; its harvested records join the buffer. True if it may train."""
+        with self._lock:
+            self.done[worker] = time.time()
+            self.data_refs.extend(records_ref)
+            if len(self.done) >= self.num_workers:
+                self._preempt_locked()  # the last worker is done: the rollout is over
+            return not self.preempted
+
+    def should_stop(self) -> bool:
+        return self.preempted
+
+    def fetch(self, worker: int) -> dict[str, Any] | str | None:
+        """Join the open round: master weights, version, this member's data slice. None: preempted.
+
+        "wait" when the open round already has submissions (join the next one) or no data yet.
+        """
+        with self._lock:
+            if self.preempted:
+                return None
+            if not self.data_refs:
+                return "wait"
+            r = self._round
+            if r is None:
+                r = self._round = {"version": self.version, "members": [], "submitted": {}, "left": set(),
+                                   "refs": list(self.data_refs)}
+            elif r["submitted"] or worker in r["members"]:
+                return "wait"
+            rank = len(r["members"])
+            r["members"].append(worker)
+            stride = self.num_workers
+            return {
+                "version": r["version"],
+                "state": self.master,
+                "refs": r["refs"],
+                # disjoint within a round (rank), rotating over rounds so one member sees all data
+                "slice": ((rank + r["version"]) % stride, stride),
+                "seed": hash((self.seed, self.step, r["version"], rank)) & 0x7FFFFFFF,
+            }
+
+    def submit(self, worker: int, version: int, state: dict[str, torch.Tensor] | None,
+               stats: dict[str, Any]) -> bool:
+        """A member's whole update (state) or its withdrawal (state None, after preemption)."""
+        with self._lock:
+            r = self._round
+            if r is None or r["version"] != version or worker not in r["members"]:
+                return False
+            if state is None:
+                r["left"].add(worker)
+                self.stats["dropped"] += 1
+            else:
+                r["submitted"][worker] = (state, stats)
+            if len(r["submitted"]) + len(r["left"]) == len(r["members"]):
+                self._close_round_locked()
+            return state is not None
+
+    def round_open(self, version: int) -> bool:
+        with self._lock:
+            return self._round is not None and self._round["version"] == version
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _preempt_locked(self) -> None:
+        if not self.preempted:
+            self.preempted = True
+            self.stats["preempt_at"] = time.time()
+
+    def _close_round_locked(self) -> None:
+        r = self._round
+        self._round = None
+        if r is None or not r["submitted"]:
+            return
+        states = [s for s, _ in r["submitted"].values()]
+        self.master = average_states(states)
+        self.version += 1
+        self.history.append(self.version)
+        for _, st in r["submitted"].values():
+            self.stats["steps"] += int(st.get("steps", 0))
+            self.stats["updates"] += 1
+            if "loss" in st:
+                self.stats["loss"].append(float(st["loss"]))
+            if "accuracy" in st:
+                self.stats["accuracy"].append(float(st["accuracy"]))
+
+
+Coordinator = ray.remote(num_cpus=0, max_concurrency=64)(CoordinatorImpl)
+
+
+def _trainable_state(drafter) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
+
+
+def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, chunk_steps: int = SPOT_CHUNK_STEPS,
+               record_cache: dict | None = None, on_update=None) -> tuple[list[tuple[float, float]], int]:
+    """Train the drafter in whole updates until the coordinator preempts; returns (intervals, steps).
+
+    `coordinator` is an actor handle (or a CoordinatorImpl in tests: calls go through `_call`).
+    Each update starts from the master weights of its round; only whole updates are submitted.
+    """
+    from .buffer import DrafterBuffer
+
+    record_cache = {} if record_cache is None else record_cache
+    intervals: list[tuple[float, float]] = []
+    steps_done = 0
+    t_start = time.time()
+    stop = lambda: bool(_call(coordinator, "should_stop"))  # noqa: E731
+    while True:
+        job = _call(coordinator, "fetch", worker)
+        if job is None:
+            break
+        if job == "wait":
+            time.sleep(FETCH_RETRY_S)
+            continue
+        records = []
+        for ref in job["refs"]:
+            key = ref.hex() if hasattr(ref, "hex") else id(ref)
+            if key not in record_cache:
+                record_cache[key] = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+            records.extend(record_cache[key])
+        start, stride = job["slice"]
+        mine = records[start::stride] or records
+        buf = DrafterBuffer(max_tokens=max(sum(len(r["tokens"]) for r in mine), 1))
+        for r in mine:
+            buf.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
+        drafter.load_state_dict(job["state"])
+        trainer.reset_rng(job["seed"]) if hasattr(trainer, "reset_rng") else None
+        stats = trainer.train(buf, max_steps=chunk_steps, should_stop=stop)
+        done = int(_get(stats, "steps", 0))
+        whole = done >= chunk_steps and not _get(stats, "preempted", False)
+        if whole:
+            steps_done += done
+            _call(coordinator, "submit", worker, job["version"], _trainable_state(drafter),
+                  {"steps": done, "loss": _get(stats, "loss", 0.0), "accuracy": _get(stats, "accuracy", 0.0)})
+            if on_update is not None:
+                on_update(job["version"], _trainable_state(drafter))
+            # wait for the other members so the next update starts from the averaged master
+            while _call(coordinator, "round_open", job["version"]) and not stop():
+                time.sleep(FETCH_RETRY_S)
+        else:
+            _call(coordinator, "submit", worker, job["version"], None, {})
+            break
+    intervals.append((t_start, time.time()))
+    return intervals, steps_done
+
+
+def _get(stats: Any, key: str, default: Any) -> Any:
+    if isinstance(stats, dict):
+        return stats.get(key, default)
+    return getattr(stats, key, default)
+
+
+def _call(handle, method: str, *args):
+    """Call a coordinator method on an actor handle (blocking) or a local CoordinatorImpl."""
+    if isinstance(handle, CoordinatorImpl):
+        return getattr(handle, method)(*args)
+    return ray.get(getattr(handle, method).remote(*args))
+
+
+class RolloutWorkerImpl:
+    """One rollout worker: policy + drafter copies, the SD bandit, spot drafter training."""
+
+    def __init__(self, worker_id: int, model_config, cfg, coordinator, device: str = "cpu", threads: int = 1):
+        from .drafter import Drafter
+        from .model import Transformer
+
+        torch.set_num_threads(threads)
+        self.id = worker_id
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.device = torch.device(device)
+        dtype = getattr(torch, cfg.model.dtype)
+        self.policy = Transformer(model_config).to(device=self.device, dtype=dtype).eval()
+        for p in self.policy.parameters():
+            p.requires_grad_(False)
+        self.drafter = Drafter(model_config, self.policy).to(device=self.device, dtype=dtype)
+        self._trainer = None
+        self._spec = None
+        self._record_cache: dict = {}
+
+    # --- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, policy_state: dict | None, drafter_state: dict | None) -> bool:
+        if policy_state is not None:
+            self.policy.load_state_dict(policy_state, strict=False)
+            if self.policy.config.tie_word_embeddings:
+                self.policy.lm_head.weight = self.policy.model.embed_tokens.weight
+        if drafter_state:
+            self.drafter.load_state_dict(drafter_state)
+        self._record_cache.clear()
+        return True
+
+    def spec_state(self) -> Any:
+        spec = self._spec
+        return spec.state_dict() if spec is not None and hasattr(spec, "state_dict") else None
+
+    def load_spec_state(self, state: Any) -> bool:
+        if state is not None:
+            self._get_spec().load_state_dict(state)
+        return True
+
+    def _get_spec(self):
+        if self._spec is None:
+            from .rollout import make_spec
+
+            self._spec = make_spec(self.cfg.spec, seed=self.cfg.run.seed + 1000 * self.id)
+        return self._spec
+
+    def _get_trainer(self):
+        if self._trainer is None:
+            from .drafter_train import DrafterTrainer
+
+            self._trainer = DrafterTrainer(self.drafter, self.cfg.drafter)
+        return self._trainer
+
+    # --- a step -------------------------------------------------------------------------------
+
+    def rollout(self, step: int, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool) -> dict[str, Any]:
+        """Generate one sample per prompt row; then, with TLT on, spot-train until preempted."""
+        from .rollout import generate
+        from .sampling import SamplingParams
+
+        rc = self.cfg.rollout
+        params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k)
+        gen_start = time.time()
+        res = generate(
+            self.policy, prompts, params,
+            drafter=self.drafter if tlt else None,
+            spec=self._get_spec() if tlt else None,
+            max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids, seed=seed, harvest=tlt,
+        )
+        gen_end = time.time()
+        out: dict[str, Any] = {
+            "worker": self.id,
+            "tokens": [list(map(int, t)) for t in res.tokens],
+            "logprobs": [list(map(float, lp)) for lp in res.logprobs],
+            "lengths": [int(n) for n in res.lengths],
+            "finished": [bool(f) for f in res.finished],
+            "metrics": res.metrics.to_dict() if hasattr(res.metrics, "to_dict") else dict(res.metrics),
+            "gen_start": gen_start,
+            "gen_end": gen_end,
+            "records": None,
+            "drafter_intervals": [],
+            "drafter_steps": 0,
+        }
+        if not tlt:
+            return out
+        records = []
+        for p, toks, hid in zip(prompts, res.tokens, res.hidden):
+            if hid is None:
+                continue
+            seq = torch.tensor(list(p) + list(toks), dtype=torch.long)
+            records.append({"tokens": seq[: hid.shape[0]], "hidden": hid.to(torch.float16).cpu(),
+                            "response_start": len(p), "step": step})
+        ref = ray.put(records)
+        out["records"] = [ref]  # nested: the driver receives the reference, not the tensors
+        if _call(self.coordinator, "report_done", self.id, [ref]):
+            intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
+                                          self.cfg.drafter.batch_tokens, record_cache=self._record_cache)
+            out["drafter_intervals"] = intervals
+            out["drafter_steps"] = steps
+        return out
+
+
+RolloutWorker = ray.remote(num_cpus=1)(RolloutWorkerImpl)
