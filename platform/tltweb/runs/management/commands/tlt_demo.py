@@ -1,0 +1,52 @@
+"""Create the demo team and user (printing the login once, when created) and launch the quick demo run once.
+
+    python manage.py tlt_demo [--no-run]
+
+Idempotent: a second call changes nothing and prints no password.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from django.contrib.auth.models import User
+from django.core.management.base import BaseCommand
+from django.db import transaction
+
+from tltweb.accounts.models import Member, Role, Team
+from tltweb.runs.models import Run
+from tltweb.runs.services import run_launch
+
+DEMO_USER = "demo"
+DEMO_TEAM = "Demo team"
+DEMO_PRESET = "tiny-cpu"
+DEMO_TAG = "demo"
+
+
+class Command(BaseCommand):
+    help = "Create the demo team and user, and launch the tiny-cpu demo run once."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--no-run", action="store_true", help="only the team and user")
+
+    def handle(self, *args, no_run: bool = False, **options):
+        with transaction.atomic():
+            user = User.objects.filter(username=DEMO_USER).first()
+            password = None
+            if user is None:
+                password = secrets.token_urlsafe(9)
+                user = User.objects.create_user(DEMO_USER, password=password, is_staff=True, is_superuser=True)
+            team, _ = Team.objects.get_or_create(name=DEMO_TEAM)
+            Member.objects.get_or_create(team=team, user=user, defaults={"role": Role.OWNER})
+            demo_launched = any(DEMO_TAG in (tags or []) for tags in Run.objects.filter(team=team).values_list("tags", flat=True))
+            if not no_run and not demo_launched:
+                run = run_launch(
+                    user=user, team=team, name="Demo: tiny model, long-tail task", preset=DEMO_PRESET, tags=[DEMO_TAG],
+                    notes="The quick demo: a small model trained from scratch on 2 CPU cores.",
+                )
+                self.stdout.write(f"launched demo run {run.id}")
+        if password:
+            self.stdout.write(self.style.SUCCESS(f"demo login: user {DEMO_USER}  password {password}"))
+        else:
+            self.stdout.write(f"demo user {DEMO_USER!r} exists (password shown when it was created)")
+

@@ -1,0 +1,317 @@
+"""Writes for runs, metrics and artifacts (HackSoftware styleguide: `<entity>_<action>`).
+
+Views, the API, Celery tasks and management commands only call these and the selectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from tltweb.accounts.models import Member, Team
+from tltweb.accounts.services import token_hash
+from tltweb.runs import dispatch
+from tltweb.runs.models import ACTIVE_STATES, Artifact, MetricStep, Run, RunState
+from workers.tlt.config import PRESETS, ConfigError, load_config, preset as preset_config
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_CHARS = 8000
+MAX_TAGS = 20
+
+
+def tags_clean(tags: list[str] | str) -> list[str]:
+    if isinstance(tags, str):
+        tags = tags.split(",")
+    out: list[str] = []
+    for tag in tags:
+        tag = str(tag).strip()[:40]
+        if tag and tag not in out:
+            out.append(tag)
+    if len(out) > MAX_TAGS:
+        raise ValidationError({"tags": f"at most {MAX_TAGS} tags"})
+    return out
+
+
+def preset_yaml(name: str) -> str:
+    return preset_config(name).to_yaml()
+
+
+def _require_role(user: User, team: Team, need: str) -> None:
+    member = Member.objects.filter(user=user, team=team).first()
+    if member is None or not member.allows(need):
+        raise PermissionDenied(f"needs {need} access to team {team.name}")
+
+
+def run_launch(
+    *,
+    user: User,
+    team: Team,
+    name: str,
+    preset: str = "",
+    config_yaml: str = "",
+    tags: list[str] | str = (),
+    notes: str = "",
+    cloned_from: Run | None = None,
+) -> Run:
+    """Validate the config, create the run, and submit it to Ray once the row is committed.
+
+    Raises ConfigError (field -> message) for a bad config or preset, PermissionDenied when the
+    user cannot launch in this team. Nothing is written when it raises.
+    """
+    _require_role(user, team, "edit")
+    if preset and preset not in PRESETS:
+        raise ConfigError({"preset": f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}"})
+    if not config_yaml.strip():
+        if not preset:
+            raise ConfigError({"config": "give a preset or a config"})
+        config_yaml = preset_yaml(preset)
+    cfg = load_config(config_yaml)
+    name = name.strip()[:200] or f"{preset or 'run'} {timezone.now():%Y-%m-%d %H:%M}"
+    with transaction.atomic():
+        run = Run.objects.create(
+            team=team,
+            creator=user,
+            name=name,
+            preset=preset,
+            config=cfg.model_dump(mode="json"),
+            config_yaml=config_yaml,
+            tags=tags_clean(tags),
+            notes=notes,
+            cloned_from=cloned_from,
+        )
+        transaction.on_commit(lambda: _enqueue("run_submit", run.id))
+    return run
+
+
+def _enqueue(task_name: str, run_id: uuid.UUID) -> None:
+    from workers import tasks  # the Celery side imports Django; keep the import out of module load
+
+    getattr(tasks, task_name).delay(str(run_id))
+
+
+def run_clone(*, user: User, run: Run) -> Run:
+    """A new run with the same team, config, preset and tags."""
+    return run_launch(
+        user=user,
+        team=run.team,
+        name=f"{run.name} (clone)"[:200],
+        preset=run.preset,
+        config_yaml=run.config_yaml,
+        tags=run.tags,
+        notes=run.notes,
+        cloned_from=run,
+    )
+
+
+def run_update(*, run: Run, tags: list[str] | str | None = None, notes: str | None = None, name: str | None = None) -> Run:
+    fields = []
+    if tags is not None:
+        run.tags = tags_clean(tags)
+        fields.append("tags")
+    if notes is not None:
+        run.notes = notes[:20_000]
+        fields.append("notes")
+    if name is not None and name.strip():
+        run.name = name.strip()[:200]
+        fields.append("name")
+    if fields:
+        run.save(update_fields=fields)
+    return run
+
+
+def run_cancel(*, run: Run) -> Run:
+    """Mark an active run cancelled now and stop its Ray job in the background (checkpoints kept)."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run.pk)
+        if run.state not in ACTIVE_STATES:
+            return run
+        run.state = RunState.CANCELLED
+        run.finished_at = timezone.now()
+        run.save(update_fields=["state", "finished_at"])
+        transaction.on_commit(lambda: _enqueue("run_cancel", run.id))
+    return run
+
+
+def run_token_rotate(*, run: Run) -> str:
+    """A fresh ingestion token for the run; only its hash is kept. Returns the plaintext."""
+    token = secrets.token_urlsafe(32)
+    Run.objects.filter(pk=run.pk).update(ingest_token_hash=token_hash(token))
+    run.ingest_token_hash = token_hash(token)
+    return token
+
+
+def run_ingest_url(run: Run) -> str:
+    return f"{settings.TLT_PUBLIC_URL}/api/ingest/runs/{run.id}/"
+
+
+def run_submit(*, run_id: uuid.UUID | str, client: Any = None) -> str:
+    """Submit the run's Ray job; idempotent (a job with the run's submission id is never resubmitted).
+
+    Returns what happened: "submitted", "exists" or "skipped" (run gone or no longer queued).
+    """
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        if run is None or run.state != RunState.QUEUED:
+            return "skipped"
+        client = client or dispatch.ray_client()
+        if run.submitted_at or dispatch.job_info_or_none(client, run.submission_id) is not None:
+            # Already submitted (a retried task): the job holds the token it was given.
+            if not run.submitted_at:
+                run.submitted_at = timezone.now()
+                run.save(update_fields=["submitted_at"])
+            return "exists"
+        token = run_token_rotate(run=run)
+        out_dir = Path(settings.TLT_RUNS_DIR) / str(run.id)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        client.submit_job(
+            entrypoint=dispatch.job_entrypoint(out_dir=str(out_dir)),
+            submission_id=run.submission_id,
+            runtime_env={
+                "env_vars": {
+                    "TLT_CONFIG": run.config_yaml,
+                    "TLT_INGEST_URL": run_ingest_url(run),
+                    "TLT_RUN_TOKEN": token,
+                    "PYTHONPATH": settings.TLT_JOB_WORKDIR,
+                }
+            },
+            metadata={"run": str(run.id), "team": str(run.team_id)},
+        )
+        run.submitted_at = timezone.now()
+        run.save(update_fields=["submitted_at"])
+    log.info("submitted run %s as Ray job %s", run.id, run.submission_id)
+    return "submitted"
+
+
+def run_stop_job(*, run_id: uuid.UUID | str, client: Any = None) -> None:
+    """Stop the run's Ray job if there is one (the trainer's --out folder and checkpoints stay)."""
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        return
+    client = client or dispatch.ray_client()
+    info = dispatch.job_info_or_none(client, run.submission_id)
+    if info is not None and dispatch.job_status(info) in {"PENDING", "RUNNING"}:
+        client.stop_job(run.submission_id)
+        log.info("stopped Ray job %s", run.submission_id)
+
+
+def run_sync_status(*, run: Run, client: Any) -> Run:
+    """Map the Ray job's status onto an active run (and keep the log tail when it ends)."""
+    if run.state not in ACTIVE_STATES or not run.submitted_at:
+        return run
+    info = dispatch.job_info_or_none(client, run.submission_id)
+    now = timezone.now()
+    if info is None:
+        state, error = RunState.FAILED, "the Ray job disappeared (cluster restarted?)"
+    else:
+        state = dispatch.JOB_STATE.get(dispatch.job_status(info), run.state)
+        error = (getattr(info, "message", "") or "") if state == RunState.FAILED else ""
+    if state == run.state:
+        return run
+    logs = ""
+    if state not in ACTIVE_STATES and info is not None:
+        try:
+            logs = client.get_job_logs(run.submission_id)[-LOG_TAIL_CHARS:]
+        except Exception as exc:  # logs are a nicety; the state change is not
+            log.warning("no logs for %s: %s", run.submission_id, exc)
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run.pk)
+        if run.state not in ACTIVE_STATES:  # cancelled meanwhile
+            return run
+        run.state = state
+        if state == RunState.RUNNING:
+            run.started_at = run.started_at or now
+        else:
+            run.finished_at = now
+            run.error = error[:LOG_TAIL_CHARS]
+            run.log_tail = logs
+        run.save(update_fields=["state", "started_at", "finished_at", "error", "log_tail"])
+    return run
+
+
+def runs_sync(*, client: Any = None, resubmit_after_s: int = 120) -> int:
+    """Sync every active run; re-enqueue submits that never happened (a lost task). Returns runs checked."""
+    active = list(Run.objects.filter(state__in=ACTIVE_STATES))
+    if not active:
+        return 0
+    client = client or dispatch.ray_client()
+    for run in active:
+        if run.submitted_at:
+            try:
+                run_sync_status(run=run, client=client)
+            except Exception:
+                log.exception("sync of run %s failed", run.id)
+        elif (timezone.now() - run.created_at).total_seconds() > resubmit_after_s:
+            _enqueue("run_submit", run.id)
+    return len(active)
+
+
+def metrics_record(*, run: Run, step: int, scalars: dict[str, float], series: dict[str, Any]) -> MetricStep:
+    """Upsert one step's record (a retried post replaces it); a queued run becomes running."""
+    row, _ = MetricStep.objects.update_or_create(run=run, step=step, defaults={"scalars": scalars, "series": series})
+    if run.state == RunState.QUEUED:
+        Run.objects.filter(pk=run.pk, state=RunState.QUEUED).update(
+            state=RunState.RUNNING, started_at=timezone.now()
+        )
+    return row
+
+
+def artifact_store(*, run: Run, kind: str, step: int, upload: Any, filename: str = "") -> Artifact:
+    """Stream an uploaded file into TLT_ARTIFACT_DIR, hashing while writing; idempotent per (run, kind, step)."""
+    root = Path(settings.TLT_ARTIFACT_DIR)
+    filename = Path(filename or getattr(upload, "name", "") or f"{kind}.bin").name or f"{kind}.bin"
+    rel = Path(str(run.team_id)) / str(run.id) / f"{kind}-step{step:06d}-{filename}"
+    final = root / rel
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as out:
+            chunks = upload.chunks() if hasattr(upload, "chunks") else iter(lambda: upload.read(1 << 20), b"")
+            for chunk in chunks:
+                size += len(chunk)
+                if size > settings.TLT_MAX_ARTIFACT_BYTES:
+                    raise ValidationError({"file": "artifact too large"})
+                digest.update(chunk)
+                out.write(chunk)
+        tmp.replace(final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:
+        artifact, _ = Artifact.objects.update_or_create(
+            run=run,
+            kind=kind,
+            step=step,
+            defaults={"filename": filename, "path": str(rel), "size": size, "sha256": digest.hexdigest()},
+        )
+    except IntegrityError:  # a concurrent retry of the same upload won the race; same content
+        artifact = Artifact.objects.get(run=run, kind=kind, step=step)
+    return artifact
+
+
+def artifact_path(artifact: Artifact) -> Path:
+    path = (Path(settings.TLT_ARTIFACT_DIR) / artifact.path).resolve()
+    if Path(settings.TLT_ARTIFACT_DIR).resolve() not in path.parents:
+        raise PermissionDenied("artifact path escapes the artifact folder")
+    return path
+
+
+def run_files_delete(*, run: Run) -> None:
+    shutil.rmtree(Path(settings.TLT_ARTIFACT_DIR) / str(run.team_id) / str(run.id), ignore_errors=True)
+
+
+def run_fail(*, run_id: uuid.UUID | str, error: str) -> None:
+    Run.objects.filter(pk=run_id, state__in=ACTIVE_STATES).update(
+        state=RunState.FAILED, error=error[:LOG_TAIL_CHARS], finished_at=timezone.now()
+    )

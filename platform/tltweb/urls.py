@@ -1,0 +1,36 @@
+from django.conf import settings
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path, re_path
+from django.views.generic import RedirectView
+from django.views.static import serve
+
+from tltweb import health
+from tltweb.accounts import views as accounts
+from tltweb.runs import views as runs
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="run-list"), name="home"),
+    path("healthz", health.healthz, name="healthz"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("runs/", runs.run_list, name="run-list"),
+    path("runs/new", runs.run_launch, name="run-launch"),
+    path("runs/compare", runs.run_compare, name="run-compare"),
+    path("runs/<uuid:run_id>/", runs.run_detail, name="run-detail"),
+    path("runs/<uuid:run_id>/cancel", runs.run_cancel, name="run-cancel"),
+    path("runs/<uuid:run_id>/clone", runs.run_clone, name="run-clone"),
+    path("runs/<uuid:run_id>/edit", runs.run_edit, name="run-edit"),
+    path("runs/<uuid:run_id>/artifacts/<int:artifact_id>/download", runs.artifact_download, name="artifact-download"),
+    path("teams/", accounts.team_list, name="team-list"),
+    path("teams/<int:team_id>/", accounts.team_detail, name="team-detail"),
+    path("teams/<int:team_id>/members", accounts.team_member_save, name="team-member-save"),
+    path("teams/<int:team_id>/members/remove", accounts.team_member_remove, name="team-member-remove"),
+    path("account/tokens/", accounts.tokens, name="tokens"),
+    path("api/", include("tltweb.api.urls")),
+    path("admin/", admin.site.urls),
+]
+
+if settings.SERVE_STATIC and not settings.DEBUG:
+    # DEBUG serves static through runserver/staticfiles; without DEBUG, from collectstatic's folder.
+    urlpatterns += [re_path(r"^static/(?P<path>.*)$", serve, {"document_root": settings.STATIC_ROOT})]

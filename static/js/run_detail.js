@@ -1,0 +1,163 @@
+// Run page: polls the metrics endpoint (every 2 s while the tab is visible, 15 s when hidden),
+// extends the over-steps charts, and draws the per-step charts for the step chosen on the slider.
+(function () {
+  "use strict";
+  var root = document.getElementById("dashboard");
+  var metricsUrl = root.dataset.metricsUrl;
+  var stepUrl = root.dataset.stepUrl;
+  var wasActive = root.dataset.active === "1";
+  var slider = document.getElementById("step-slider");
+  var stepLabel = document.getElementById("step-label");
+  var summary = document.getElementById("summary");
+
+  var steps = [];            // [{step, scalars}] in step order
+  var lastStep = -1;
+  var follow = true;         // slider follows the newest step until the user moves it
+  var shownStep = null;
+  var seriesCache = {};
+  var timer = null;
+  var COLORS = { generate: "#2f5fd0", idle: "#c9ced6", drafter: "#1b8a4b" };
+  var CONFIG = { responsive: true, displaylogo: false };
+
+  function layout(title, extra) {
+    var base = {
+      title: { text: title, font: { size: 14 } }, margin: { t: 36, r: 12, b: 40, l: 50 },
+      legend: { orientation: "h", y: -0.2 }, xaxis: { title: { text: "step" } }, font: { size: 11 }
+    };
+    return Object.assign(base, extra || {});
+  }
+  function col(key) {
+    var rows = steps.filter(function (r) { return r.scalars[key] !== undefined && r.scalars[key] !== null; });
+    return { x: rows.map(function (r) { return r.step; }), y: rows.map(function (r) { return r.scalars[key]; }) };
+  }
+  function line(key, name, extra) {
+    var c = col(key);
+    return Object.assign({ type: "scatter", mode: "lines+markers", name: name || key, x: c.x, y: c.y }, extra || {});
+  }
+  function bar(key, name, extra) {
+    var c = col(key);
+    return Object.assign({ type: "bar", name: name || key, x: c.x, y: c.y }, extra || {});
+  }
+  function sum(key) {
+    return steps.reduce(function (a, r) { return a + (r.scalars[key] || 0); }, 0);
+  }
+  function draw(id, traces, lay) { Plotly.react(id, traces, lay, CONFIG); }
+
+  function drawOverSteps() {
+    draw("chart-reward", [line("reward/mean", "reward"), line("reward/accuracy", "accuracy")], layout("Reward & accuracy"));
+    draw("chart-mismatch", [line("rollout/logprob_mismatch", "|Δ log-prob|")], layout("Rollout vs learner log-prob mismatch"));
+    draw("chart-lengths", [line("rollout/len_p50", "p50"), line("rollout/len_p90", "p90"),
+      line("rollout/len_p99", "p99"), line("rollout/len_max", "max")], layout("Response length (tokens)"));
+    draw("chart-accept", [line("spec/acceptance_length", "acceptance length")], layout("Acceptance length (tokens / verify pass)"));
+    draw("chart-drafter", [line("drafter/loss", "loss"), line("drafter/accuracy", "accuracy", { yaxis: "y2" })],
+      layout("Drafter spot training", { yaxis2: { overlaying: "y", side: "right", range: [0, 1], title: { text: "accuracy" } } }));
+    var idle = sum("idle/worker_s"), rec = sum("idle/reclaimed_s");
+    draw("chart-idle", [bar("idle/worker_s", "idle", { marker: { color: COLORS.idle } }),
+      bar("idle/reclaimed_s", "reclaimed for drafter", { marker: { color: COLORS.drafter } })],
+      layout("Idle vs reclaimed worker-seconds · total " + idle.toFixed(1) + " s idle, " + rec.toFixed(1) + " s reclaimed" +
+        (idle > 0 ? " (" + Math.round(100 * rec / idle) + "%)" : ""), { barmode: "group" }));
+    draw("chart-timing", ["rollout", "reward", "learner", "sync"].map(function (k) { return bar("timing_s/" + k, k); }),
+      layout("Step time breakdown (s)", { barmode: "stack" }));
+    draw("chart-tail", [line("rollout/tail_tokens_per_s_sd", "with SD"), line("rollout/tail_tokens_per_s_no_sd", "without SD")],
+      layout("Tail tokens/s"));
+  }
+
+  function drawStep(rec) {
+    var s = rec.series || {}, sc = rec.scalars || {};
+    var label = " · step " + rec.step;
+    draw("chart-lengths-hist", [{ type: "histogram", x: s["rollout/lengths"] || [], marker: { color: "#2f5fd0" } }],
+      layout("Response lengths" + label, { xaxis: { title: { text: "tokens" } }, bargap: 0.05 }));
+
+    var run = s["rollout/running"] || { t: [], running: [], sd: [] };
+    var shapes = [], switchAt = sc["spec/switch_on_s"];
+    if (switchAt === undefined || switchAt === null || switchAt < 0) {
+      var i = (run.sd || []).indexOf(1);
+      switchAt = i >= 0 ? run.t[i] : null;
+    }
+    if (switchAt !== null && switchAt >= 0) {
+      shapes.push({ type: "line", x0: switchAt, x1: switchAt, yref: "paper", y0: 0, y1: 1, line: { color: "#c2362b", dash: "dot" } });
+    }
+    draw("chart-running", [{ type: "scatter", mode: "lines", line: { shape: "hv" }, name: "running", x: run.t, y: run.running }],
+      layout("Running sequences over rollout time" + label, {
+        xaxis: { title: { text: "seconds" } }, shapes: shapes,
+        annotations: shapes.length ? [{ x: switchAt, yref: "paper", y: 1, text: "SD on", showarrow: false, xanchor: "left", font: { color: "#c2362b" } }] : []
+      }));
+
+    var pos = s["spec/accept_by_position"] || [];
+    draw("chart-accept-pos", [{ type: "bar", x: pos.map(function (_, i) { return i + 1; }), y: pos }],
+      layout("Acceptance by draft position" + label, { xaxis: { title: { text: "draft position" } }, yaxis: { range: [0, 1] } }));
+
+    var strat = s["spec/strategy"] || {}, buckets = Object.keys(strat), arms = {};
+    buckets.forEach(function (b) { Object.keys(strat[b]).forEach(function (a) { arms[a] = true; }); });
+    draw("chart-strategy", Object.keys(arms).map(function (a) {
+      return { type: "bar", name: a, x: buckets, y: buckets.map(function (b) { return strat[b][a] || 0; }) };
+    }), layout("Strategy choices per batch-size bucket" + label, { barmode: "stack", xaxis: { title: { text: "bucket" } } }));
+
+    var kinds = { generate: { x: [], y: [], base: [] }, idle: { x: [], y: [], base: [] }, drafter: { x: [], y: [], base: [] } };
+    (s["idle/timeline"] || []).forEach(function (w) {
+      (w.segments || []).forEach(function (seg) {
+        var k = kinds[seg[0]] || (kinds[seg[0]] = { x: [], y: [], base: [] });
+        k.x.push(seg[2] - seg[1]); k.base.push(seg[1]); k.y.push("worker " + w.worker);
+      });
+    });
+    draw("chart-timeline", Object.keys(kinds).map(function (k) {
+      return { type: "bar", orientation: "h", name: k, x: kinds[k].x, y: kinds[k].y, base: kinds[k].base,
+        marker: { color: COLORS[k] } };
+    }), layout("Per-worker timeline" + label, { barmode: "overlay", xaxis: { title: { text: "seconds" } } }));
+  }
+
+  function showStep(step) {
+    shownStep = step;
+    stepLabel.textContent = follow ? step + " (latest)" : String(step);
+    if (seriesCache[step]) { drawStep(seriesCache[step]); return; }
+    fetch(stepUrl + step, { credentials: "same-origin" }).then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (rec) { if (rec) { seriesCache[step] = rec; if (shownStep === step) drawStep(rec); } });
+  }
+
+  function updateState(data) {
+    var el = document.querySelector("#run-state .state");
+    if (el && !el.classList.contains("state-" + data.state)) {
+      el.className = "state state-" + data.state;
+      el.textContent = data.state.charAt(0).toUpperCase() + data.state.slice(1);
+    }
+    if (wasActive && !data.active) {
+      wasActive = false;
+      window.setTimeout(function () { window.location.reload(); }, 500);  // show artifacts, logs
+    }
+  }
+
+  function poll() {
+    fetch(metricsUrl + "?since=" + lastStep, { credentials: "same-origin" })
+      .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+      .then(function (data) {
+        if (data.steps.length) {
+          steps = steps.concat(data.steps);
+          lastStep = data.last_step;
+          drawOverSteps();
+          slider.disabled = false;
+          slider.min = steps[0].step;
+          slider.max = lastStep;
+          if (follow) { slider.value = lastStep; showStep(lastStep); }
+          summary.textContent = steps.length + " steps · last " + lastStep;
+        }
+        updateState(data);
+        schedule(data.active);
+      })
+      .catch(function () { schedule(true); });
+  }
+
+  function schedule(active) {
+    window.clearTimeout(timer);
+    if (!active && steps.length) return;  // finished: nothing more will arrive
+    timer = window.setTimeout(poll, document.hidden ? 15000 : 2000);
+  }
+
+  slider.addEventListener("input", function () {
+    var v = parseInt(slider.value, 10);
+    follow = v === lastStep;
+    showStep(v);
+  });
+  document.addEventListener("visibilitychange", function () { if (!document.hidden) { poll(); } });
+  drawOverSteps();
+  poll();
+})();

@@ -1,0 +1,174 @@
+"""Every page, API endpoint and download checks the team role: outsiders get 404, too-low roles 403."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.urls import reverse
+
+from tests.conftest import member_add
+from tltweb.accounts.services import api_token_create
+from tltweb.runs.services import artifact_store
+
+
+@pytest.fixture
+def artifact(run):
+    return artifact_store(run=run, kind="drafter", step=2, upload=SimpleUploadedFile("drafter.zip", b"PK-zip-bytes"))
+
+
+# (name, method, needs) -- needs: the lowest role that may use it
+PAGES = [
+    ("run-detail", "get", "viewer"),
+    ("artifact-download", "get", "viewer"),
+    ("run-cancel", "post", "editor"),
+    ("run-clone", "post", "editor"),
+    ("run-edit", "post", "editor"),
+]
+API = [
+    ("api-run", "get", "viewer"),
+    ("api-run-metrics", "get", "viewer"),
+    ("api-run-artifacts", "get", "viewer"),
+    ("api-artifact-download", "get", "viewer"),
+    ("api-run-cancel", "post", "editor"),
+    ("api-run-clone", "post", "editor"),
+]
+RANK = {"viewer": 1, "editor": 2, "owner": 3}
+
+
+def _url(name, run, artifact):
+    args = [run.id, artifact.pk] if "download" in name else [run.id]
+    return reverse(name, args=args)
+
+
+def _expected(role: str | None, needs: str) -> int:
+    if role is None:
+        return 404
+    return 403 if RANK[role] < RANK[needs] else None  # None: allowed (200 or a redirect)
+
+
+@pytest.mark.parametrize("name,method,needs", PAGES)
+@pytest.mark.parametrize("who,role", [("alice", "owner"), ("bob", "viewer"), ("bob", "editor"), ("charlie", None)])
+def test_pages_check_the_team_role(client, request, run, artifact, bob, charlie, team, name, method, needs, who, role):
+    user = request.getfixturevalue(who)
+    if who == "bob":
+        member_add(team, bob, role)
+    client.force_login(user)
+    data = {"name": "renamed", "tags": "a", "notes": ""} if name == "run-edit" else {}
+    resp = getattr(client, method)(_url(name, run, artifact), data)
+    expected = _expected(role, needs)
+    if expected is None:
+        assert resp.status_code in (200, 302), resp.status_code
+    else:
+        assert resp.status_code == expected
+
+
+@pytest.mark.parametrize("name,method,needs", API)
+@pytest.mark.parametrize("who,role", [("alice", "owner"), ("bob", "viewer"), ("bob", "editor"), ("charlie", None)])
+def test_api_checks_the_team_role_with_a_personal_token(client, request, run, artifact, bob, charlie, team, name, method, needs, who, role):
+    user = request.getfixturevalue(who)
+    if who == "bob":
+        member_add(team, bob, role)
+    _, token = api_token_create(user=user, name="t")
+    resp = getattr(client, method)(_url(name, run, artifact), HTTP_AUTHORIZATION=f"Bearer {token}")
+    expected = _expected(role, needs)
+    if expected is None:
+        assert resp.status_code in (200, 201), resp.content
+    else:
+        assert resp.status_code == expected
+        assert "error" in resp.json()
+
+
+@pytest.mark.parametrize("name", ["run-list", "run-launch", "run-compare", "team-list", "tokens"])
+def test_pages_redirect_anonymous_users_to_login(client, name):
+    resp = client.get(reverse(name))
+    assert resp.status_code == 302 and resp.url.startswith(reverse("login"))
+
+
+def test_run_pages_redirect_anonymous_users_to_login(client, run, artifact):
+    for name, _, _ in PAGES[:2]:
+        resp = client.get(_url(name, run, artifact))
+        assert resp.status_code == 302
+
+
+@pytest.mark.parametrize("name", ["api-runs", "api-run", "api-run-metrics", "api-artifact-download"])
+def test_api_rejects_anonymous_and_wrong_tokens_with_401(client, run, artifact, name):
+    url = reverse(name) if name == "api-runs" else _url(name, run, artifact)
+    assert client.get(url).status_code == 401
+    assert client.get(url, HTTP_AUTHORIZATION="Bearer tlt_not-a-token").status_code == 401
+
+
+def test_a_revoked_token_stops_working(client, alice, run):
+    from tltweb.accounts.services import api_token_revoke
+
+    row, token = api_token_create(user=alice, name="laptop")
+    url = reverse("api-run", args=[run.id])
+    assert client.get(url, HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 200
+    api_token_revoke(user=alice, token_id=row.pk)
+    assert client.get(url, HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 401
+
+
+def test_tokens_are_stored_hashed(alice):
+    row, token = api_token_create(user=alice, name="laptop")
+    assert token not in row.token_hash and row.token_hash != token
+
+
+def test_run_list_shows_only_the_users_teams(client, run, charlie):
+    client.force_login(charlie)
+    assert run.name not in client.get(reverse("run-list")).content.decode()
+    client.force_login(run.creator)
+    assert run.name in client.get(reverse("run-list")).content.decode()
+
+
+def test_api_run_list_shows_only_the_users_teams(client, run, bob, charlie):
+    for user, count in ((bob, 1), (charlie, 0)):
+        _, token = api_token_create(user=user, name="t")
+        resp = client.get(reverse("api-runs"), HTTP_AUTHORIZATION=f"Bearer {token}")
+        assert len(resp.json()["runs"]) == count
+
+
+def test_compare_leaves_out_runs_of_other_teams(client, run, charlie):
+    client.force_login(charlie)
+    resp = client.get(reverse("run-compare"), {"run": [str(run.id)]})
+    assert resp.status_code == 200 and run.name not in resp.content.decode()
+
+
+def test_viewers_cannot_open_the_launch_form(client, bob):
+    client.force_login(bob)
+    assert client.get(reverse("run-launch")).status_code == 403
+
+
+@pytest.mark.parametrize("who,status", [("alice", 200), ("bob", 200), ("charlie", 404)])
+def test_team_page_is_for_members_only(client, request, team, bob, charlie, who, status):
+    client.force_login(request.getfixturevalue(who))
+    assert client.get(reverse("team-detail", args=[team.pk])).status_code == status
+
+
+@pytest.mark.parametrize("role", ["viewer", "editor"])
+def test_only_owners_manage_members(client, team, bob, charlie, role):
+    member_add(team, bob, role)
+    client.force_login(bob)
+    resp = client.post(reverse("team-member-save", args=[team.pk]), {"username": "charlie", "role": "owner"})
+    assert resp.status_code == 403
+    assert not team.members.filter(user=charlie).exists()
+
+
+def test_owners_add_change_and_remove_members(client, alice, team, bob, charlie):
+    client.force_login(alice)
+    client.post(reverse("team-member-save", args=[team.pk]), {"username": "charlie", "role": "editor"})
+    assert team.members.get(user=charlie).role == "editor"
+    client.post(reverse("team-member-remove", args=[team.pk]), {"user": charlie.pk})
+    assert not team.members.filter(user=charlie).exists()
+
+
+def test_the_last_owner_cannot_be_removed(client, alice, team):
+    client.force_login(alice)
+    client.post(reverse("team-member-remove", args=[team.pk]), {"user": alice.pk})
+    assert team.members.filter(user=alice, role="owner").exists()
+
+
+def test_an_outsider_cannot_download_by_guessing_ids(client, run, artifact, charlie):
+    from tltweb.accounts.services import team_create
+
+    client.force_login(charlie)
+    resp = client.get(reverse("artifact-download", args=[run.id, artifact.pk]))
+    assert resp.status_code == 404
