@@ -60,8 +60,9 @@ def database_from_url(url: str, *, name: str = "DATABASE_URL") -> dict:
     """`postgres://user:pass@host:port/db` or `sqlite:///abs/path.sqlite3` -> a DATABASES entry."""
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
-        path = unquote(parts.path)
-        if not path or path == "/":
+        # dj-database-url convention: sqlite:////abs/path is absolute, sqlite:///rel/path relative.
+        path = unquote(parts.path)[1:]
+        if not path:
             raise ImproperlyConfigured(f"{name}: sqlite URL needs a file path, e.g. sqlite:////abs/db.sqlite3")
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": path}
     if parts.scheme in {"postgres", "postgresql", "pgsql"}:
