@@ -193,6 +193,9 @@ def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ray_head
             "data_folder_out": str(work / "broker" / "queue"),
             "data_folder_processed": str(work / "broker" / "processed"),
         }
+    if app._pool is not None:  # forget producer connections made with the old broker options
+        app._pool.force_close_all()
+        app._pool = None
     log_path = ROOT / "test-artifacts" / "celery-worker.log"
     log_path.parent.mkdir(exist_ok=True)
     log = open(log_path, "w")
@@ -227,10 +230,20 @@ def browser():
     playwright = pytest.importorskip("playwright.sync_api")
     if not Path("/usr/bin/chromium").exists():
         pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    with playwright.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
+    # Playwright's sync API keeps an asyncio loop on this thread; the ORM calls in the test body are
+    # still plain synchronous code, so tell Django's async-safety check so.
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with playwright.sync_playwright() as pw:
+            b = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS, headless=True)
+            yield b
+            b.close()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@
 
   function layout(title, extra) {
     var base = {
-      title: { text: title, font: { size: 14 } }, margin: { t: 36, r: 12, b: 40, l: 50 },
-      legend: { orientation: "h", y: -0.2 }, xaxis: { title: { text: "step" } }, font: { size: 11 }
+      title: { text: title, font: { size: 14 } }, margin: { t: 44, r: 40, b: 70, l: 50 },
+      legend: { orientation: "h", y: -0.3 }, xaxis: { title: { text: "step" } }, font: { size: 11 }
     };
     return Object.assign(base, extra || {});
   }
@@ -50,12 +50,12 @@
       line("rollout/len_p99", "p99"), line("rollout/len_max", "max")], layout("Response length (tokens)"));
     draw("chart-accept", [line("spec/acceptance_length", "acceptance length")], layout("Acceptance length (tokens / verify pass)"));
     draw("chart-drafter", [line("drafter/loss", "loss"), line("drafter/accuracy", "accuracy", { yaxis: "y2" })],
-      layout("Drafter spot training", { yaxis2: { overlaying: "y", side: "right", range: [0, 1], title: { text: "accuracy" } } }));
+      layout("Drafter spot training", { yaxis: { title: { text: "loss" } }, yaxis2: { overlaying: "y", side: "right", range: [0, 1] } }));
     var idle = sum("idle/worker_s"), rec = sum("idle/reclaimed_s");
     draw("chart-idle", [bar("idle/worker_s", "idle", { marker: { color: COLORS.idle } }),
       bar("idle/reclaimed_s", "reclaimed for drafter", { marker: { color: COLORS.drafter } })],
-      layout("Idle vs reclaimed worker-seconds · total " + idle.toFixed(1) + " s idle, " + rec.toFixed(1) + " s reclaimed" +
-        (idle > 0 ? " (" + Math.round(100 * rec / idle) + "%)" : ""), { barmode: "group" }));
+      layout("Idle vs reclaimed worker-seconds<br><sub>total " + idle.toFixed(1) + " s idle, " + rec.toFixed(1) +
+        " s reclaimed" + (idle > 0 ? " (" + Math.round(100 * rec / idle) + "%)" : "") + "</sub>", { barmode: "group" }));
     draw("chart-timing", ["rollout", "reward", "learner", "sync"].map(function (k) { return bar("timing_s/" + k, k); }),
       layout("Step time breakdown (s)", { barmode: "stack" }));
     draw("chart-tail", [line("rollout/tail_tokens_per_s_sd", "with SD"), line("rollout/tail_tokens_per_s_no_sd", "without SD")],
@@ -91,7 +91,7 @@
     buckets.forEach(function (b) { Object.keys(strat[b]).forEach(function (a) { arms[a] = true; }); });
     draw("chart-strategy", Object.keys(arms).map(function (a) {
       return { type: "bar", name: a, x: buckets, y: buckets.map(function (b) { return strat[b][a] || 0; }) };
-    }), layout("Strategy choices per batch-size bucket" + label, { barmode: "stack", xaxis: { title: { text: "bucket" } } }));
+    }), layout("Strategy choices per batch-size bucket" + label, { barmode: "stack", xaxis: { title: { text: "batch-size bucket" }, type: "category" } }));
 
     var kinds = { generate: { x: [], y: [], base: [] }, idle: { x: [], y: [], base: [] }, drafter: { x: [], y: [], base: [] } };
     (s["idle/timeline"] || []).forEach(function (w) {

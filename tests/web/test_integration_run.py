@@ -1,0 +1,96 @@
+"""End to end with real services: form -> Celery worker (subprocess) -> Ray job (the real trainer)
+-> ingestion API (live_server) -> rows in the test database.
+
+    scripts/test.sh -m integration
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from tests.conftest import PASSWORD
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+# tiny-cpu made tiny and short: two RL steps of a small model, still with a long tail.
+TINY_SHORT = {
+    "run": {"steps": 2, "checkpoint_interval": 1},
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "sft_steps": 30},
+    "task": {"prompts_per_step": 4},
+    "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 48},
+    "drafter": {"warmup_steps": 10, "batch_tokens": 256},
+}
+
+
+def tiny_short_yaml() -> str:
+    from workers.tlt.config import preset
+
+    return preset("tiny-cpu", TINY_SHORT).to_yaml()
+
+
+def wait_for(predicate, timeout: float, what: str, on_timeout=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{on_timeout()}")
+
+
+@pytest.fixture
+def alice_team(db):
+    from django.contrib.auth.models import User
+    from tltweb.accounts.services import team_create
+
+    alice = User.objects.create_user("alice", password=PASSWORD)
+    return alice, team_create(name="Alice's lab", owner=alice)
+
+
+def _diagnose(run_id, worker) -> str:
+    from tltweb.runs.models import Run
+
+    run = Run.objects.filter(pk=run_id).first()
+    info = f"run: {run and run.state} error={run and run.error!r}\nlog tail:\n{run and run.log_tail[-3000:]}"
+    return info + "\n--- celery worker log ---\n" + worker["log"].read_text()[-4000:]
+
+
+@pytest.mark.skipif(not (ROOT / "workers/tlt/train.py").exists(), reason="the trainer (workers/tlt/train.py) is not there yet")
+def test_a_tiny_run_launched_from_the_form_finishes_with_metrics_and_a_drafter(celery_worker_proc, alice_team, live_server):
+    from tltweb.runs.models import Artifact, MetricStep, Run
+
+    alice, team = alice_team
+    client = Client()
+    client.force_login(alice)
+    resp = client.post(reverse("run-launch"), {"team": team.pk, "name": "integration", "preset": "tiny-cpu",
+                                               "config_yaml": tiny_short_yaml(), "tags": "ci"})
+    assert resp.status_code == 302, resp.content.decode()[-2000:]
+    run = Run.objects.get(name="integration")
+
+    wait_for(lambda: Run.objects.get(pk=run.pk).submitted_at, 60, "the Celery worker to submit the Ray job",
+             lambda: _diagnose(run.id, celery_worker_proc))
+    wait_for(lambda: Run.objects.get(pk=run.pk).state not in ("queued", "running"), 540, "the run to finish",
+             lambda: _diagnose(run.id, celery_worker_proc))
+    run.refresh_from_db()
+    assert run.state == "succeeded", _diagnose(run.id, celery_worker_proc)
+    steps = list(MetricStep.objects.filter(run=run).order_by("step"))
+    assert len(steps) == 2
+    assert "reward/mean" in steps[-1].scalars and "rollout/lengths" in steps[-1].series
+    drafter = Artifact.objects.filter(run=run, kind="drafter").first()
+    assert drafter is not None and drafter.size > 0 and len(drafter.sha256) == 64
+    download = client.get(reverse("artifact-download", args=[run.id, drafter.pk]))
+    assert download.status_code == 200
+    import hashlib
+    import io
+    import zipfile
+
+    data = b"".join(download.streaming_content)
+    assert hashlib.sha256(data).hexdigest() == drafter.sha256
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert any(n.endswith("config.json") for n in names) and any(n.endswith("model.safetensors") for n in names)
