@@ -157,7 +157,7 @@ class CoordinatorImpl:
                 return False
             if state is None:
                 r["left"].add(worker)
-                self.stats["dropped"] += 1
+                self.stats["dropped"] += 0 if stats.get("empty") else 1
             else:
                 r["submitted"][worker] = (state, stats)
             if len(r["submitted"]) + len(r["left"]) == len(r["members"]):
@@ -229,6 +229,10 @@ def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, ch
             records.extend(record_cache[key])
         start, stride = job["slice"]
         mine = records[start::stride] or records
+        if not mine:  # nothing harvested yet (e.g. hidden states off): leave the round, poll again
+            _call(coordinator, "submit", worker, job["version"], None, {"empty": True})
+            time.sleep(FETCH_RETRY_S)
+            continue
         buf = DrafterBuffer(max_tokens=max(sum(len(r["tokens"]) for r in mine), 1))
         for r in mine:
             buf.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
@@ -284,7 +288,7 @@ class RolloutWorkerImpl:
             p.requires_grad_(False)
         self.drafter = Drafter(model_config, self.policy).to(device=self.device, dtype=dtype)
         self._trainer = None
-        self._spec = None
+        self._bandit = None
         self._record_cache: dict = {}
 
     # --- weights ------------------------------------------------------------------------------
@@ -300,20 +304,18 @@ class RolloutWorkerImpl:
         return True
 
     def spec_state(self) -> Any:
-        spec = self._spec
-        return spec.state_dict() if spec is not None and hasattr(spec, "state_dict") else None
+        """The SD bandit (plain picklable data: windows of rewards and its RNG), for checkpoints."""
+        return self._bandit
 
     def load_spec_state(self, state: Any) -> bool:
-        if state is not None:
-            self._get_spec().load_state_dict(state)
+        self._bandit = state
         return True
 
-    def _get_spec(self):
-        if self._spec is None:
-            from .rollout import make_spec
+    def _spec_policy(self, tlt: bool):
+        from .rollout import SpecPolicy
 
-            self._spec = make_spec(self.cfg.spec, seed=self.cfg.run.seed + 1000 * self.id)
-        return self._spec
+        # baseline: never speculate, but still measure the tail at the same threshold
+        return SpecPolicy.from_config(self.cfg.spec, enabled=tlt)
 
     def _get_trainer(self):
         if self._trainer is None:
@@ -324,25 +326,33 @@ class RolloutWorkerImpl:
 
     # --- a step -------------------------------------------------------------------------------
 
-    def rollout(self, step: int, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool) -> dict[str, Any]:
-        """Generate one sample per prompt row; then, with TLT on, spot-train until preempted."""
-        from .rollout import generate
+    def _generate(self, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool):
         from .sampling import SamplingParams
 
         rc = self.cfg.rollout
         params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k)
-        gen_start = time.time()
-        res = generate(
-            self.policy, prompts, params,
-            drafter=self.drafter if tlt else None,
-            spec=self._get_spec() if tlt else None,
-            max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids, seed=seed, harvest=tlt,
+        try:
+            from .rollout import generate
+        except ImportError:  # the rollout engine has not landed: plain reference decoding, no SD
+            return _reference_generate(self.policy, prompts, params, rc.max_new_tokens, eos_ids, seed)
+        spec = self._spec_policy(tlt)
+        if tlt and self._bandit is None:  # one bandit per worker, learning over the whole run
+            self._bandit = spec.new_bandit(True, seed=self.cfg.run.seed + 1000 * self.id)
+        return generate(
+            self.policy, prompts, params, max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids,
+            drafter=self.drafter if tlt else None, spec=spec, bandit=self._bandit if tlt else None,
+            seed=seed, harvest_hidden=tlt,
         )
+
+    def rollout(self, step: int, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool) -> dict[str, Any]:
+        """Generate one sample per prompt row; then, with TLT on, spot-train until preempted."""
+        gen_start = time.time()
+        res = self._generate(prompts, eos_ids, seed, tlt)
         gen_end = time.time()
         out: dict[str, Any] = {
             "worker": self.id,
             "tokens": [list(map(int, t)) for t in res.tokens],
-            "logprobs": [list(map(float, lp)) for lp in res.logprobs],
+            "logprobs": [lp.tolist() if hasattr(lp, "tolist") else list(lp) for lp in res.logprobs],
             "lengths": [int(n) for n in res.lengths],
             "finished": [bool(f) for f in res.finished],
             "metrics": res.metrics.to_dict() if hasattr(res.metrics, "to_dict") else dict(res.metrics),
@@ -355,9 +365,11 @@ class RolloutWorkerImpl:
         if not tlt:
             return out
         records = []
-        for p, toks, hid in zip(prompts, res.tokens, res.hidden):
-            if hid is None:
+        for p, toks, hid in zip(prompts, res.tokens, res.hidden or [None] * len(prompts)):
+            if hid is None or not len(toks):
                 continue
+            # hidden[i] is h_i for positions 0..L-2 (the last token was never fed to the target):
+            # keep the tokens those states belong to, so tokens and hidden align
             seq = torch.tensor(list(p) + list(toks), dtype=torch.long)
             records.append({"tokens": seq[: hid.shape[0]], "hidden": hid.to(torch.float16).cpu(),
                             "response_start": len(p), "step": step})
@@ -372,3 +384,20 @@ class RolloutWorkerImpl:
 
 
 RolloutWorker = ray.remote(num_cpus=1)(RolloutWorkerImpl)
+
+
+def _reference_generate(policy, prompts, params, max_new_tokens, eos_ids, seed):
+    """Stand-in until rollout.py lands: sft.generate, no hidden states, no SD metrics."""
+    from types import SimpleNamespace
+
+    from .sft import generate
+
+    t = time.time()
+    tokens = generate(policy, prompts, max_new_tokens, eos_ids, temperature=params.temperature, seed=seed)
+    wall = time.time() - t
+    eos = set(eos_ids)
+    return SimpleNamespace(
+        tokens=tokens, logprobs=[[] for _ in tokens], lengths=[len(x) for x in tokens],
+        finished=[bool(x) and x[-1] in eos for x in tokens], hidden=[None] * len(tokens),
+        metrics={"wall_s": wall, "tokens": sum(len(x) for x in tokens)},
+    )

@@ -1,0 +1,123 @@
+"""Train with TLT from a config file, a preset, or the TLT_CONFIG environment variable.
+
+    python -m workers.tlt.train --preset tiny-cpu --out runs/demo
+    python -m workers.tlt.train run.yaml --out runs/demo [--resume]
+    TLT_CONFIG="$(cat run.yaml)" python -m workers.tlt.train --out runs/demo     # what a Ray job does
+
+Metrics always go to the console and to OUT/metrics.jsonl; with TLT_INGEST_URL and TLT_RUN_TOKEN
+set they are also posted to the platform. A bad config exits with code 2 and names the field.
+SIGTERM (Ray job stop) finishes the step in flight, flushes the checkpoint writer and exits 143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .config import ConfigError, TLTConfig, load_config, preset
+from .metrics import ConsoleSink, HttpSink, JsonlSink, Tracking
+
+log = logging.getLogger("workers.tlt.train")
+
+EXIT_BAD_CONFIG = 2
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def read_config(path: str | None, preset_name: str | None) -> TLTConfig:
+    """The run's config: a file, else a preset, else YAML in env TLT_CONFIG (ConfigError if none)."""
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError({"config": f"no such file: {path}"})
+        cfg = load_config(p.read_text())
+        return cfg
+    if preset_name:
+        return preset(preset_name)
+    text = os.environ.get("TLT_CONFIG")
+    if text:
+        return load_config(text)
+    raise ConfigError({"config": "give a config file, --preset NAME, or YAML in the TLT_CONFIG environment variable"})
+
+
+def build_tracking(out: Path) -> Tracking:
+    sinks = [ConsoleSink(), JsonlSink(out / "metrics.jsonl")]
+    url, token = os.environ.get("TLT_INGEST_URL"), os.environ.get("TLT_RUN_TOKEN")
+    if url and token:
+        sinks.append(HttpSink(url, token))
+    elif url or token:
+        log.warning("TLT_INGEST_URL and TLT_RUN_TOKEN must both be set to post metrics; posting nothing")
+    return Tracking(sinks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.tlt.train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", help="YAML config file (default: --preset, else env TLT_CONFIG)")
+    parser.add_argument("--out", required=True, help="run folder: metrics.jsonl, checkpoints/, policy.zip")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--preset", help="a named preset (tiny-cpu, smollm2-cpu, qwen2.5-7b-gpu)")
+    parser.add_argument("--steps", type=int, help="override run.steps")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    try:
+        cfg = read_config(args.config, args.preset)
+        if args.steps is not None:
+            data = cfg.model_dump(mode="json")
+            data["run"]["steps"] = args.steps
+            cfg = load_config(data)
+    except ConfigError as exc:
+        print(f"error: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+    from tqdm import tqdm
+
+    from .trainer import Trainer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tracking = build_tracking(out)
+    bar = tqdm(total=cfg.run.steps, desc="rl", unit="step", file=sys.stderr)
+
+    def progress(step: int, scalars: dict[str, float]) -> None:
+        bar.n = step
+        bar.set_postfix(reward=f"{scalars.get('reward/mean', 0):.3f}", step_s=f"{scalars.get('timing_s/step', 0):.1f}")
+        bar.refresh()
+
+    trainer = Trainer(cfg, out, tracking, resume=args.resume, progress=progress)
+    terminated = False
+
+    def on_sigterm(signum, frame):  # Ray job stop: end after this step, keep checkpoints consistent
+        nonlocal terminated
+        terminated = True
+        log.warning("SIGTERM: stopping after the current step")
+        trainer.request_stop()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        trainer.setup()
+        bar.n = trainer.step
+        bar.refresh()
+        summary = trainer.run()
+        if terminated:
+            trainer.save_checkpoint()
+        log.info("done: %s", summary)
+    except KeyboardInterrupt:
+        terminated = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+        try:
+            trainer.close()  # flushes the async checkpoint writer
+        finally:
+            tracking.close()
+    return EXIT_TERMINATED if terminated else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

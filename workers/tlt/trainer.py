@@ -1,0 +1,536 @@
+"""The driver of a TLT run: it owns the data flow of every RL step and calls the Ray actors.
+
+    from workers.tlt.config import preset
+    from workers.tlt.metrics import ConsoleSink, Tracking
+    trainer = Trainer(preset("tiny-cpu"), out="runs/demo", tracking=Tracking([ConsoleSink()]))
+    trainer.setup()          # models, Ray actors, drafter warm-up (or resume from the last checkpoint)
+    summary = trainer.run()  # steps; metrics and artifacts go to the tracking sinks
+    trainer.close()
+
+One step:
+
+    sync     policy + drafter weights -> ray.put once -> every worker loads them
+    rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); a worker that
+             finishes reports idle to the coordinator and trains the drafter on the online buffer
+             until the last worker finishes, which preempts every drafter update in flight
+    reward   the task scores every response
+    learner  GRPO update in this process (old log-probs recomputed here)
+    buffer   this step's harvested (tokens, hidden) records join the online buffer
+    + metrics (rollout/*, spec/*, drafter/*, idle/*, timing_s/*, learner/*) and checkpoints
+
+Ray: inside a Ray job (RAY_ADDRESS set) the driver joins that cluster; otherwise it starts a local
+instance sized to the machine. Rollout workers ask for num_gpus=1 on CUDA configs, num_cpus=1 here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import torch
+
+from .accounting import Accounting, WorkerTimes
+from .checkpoint import CheckpointManager, capture_rng, restore_rng
+from .config import TLTConfig
+from .grpo import GRPOLearner, RolloutBatch
+from .metrics import Tracking
+from .model import Transformer
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def model_cache_dir() -> Path:
+    """Where SFT'd tiny models and converted checkpoints are cached (env TLT_MODEL_CACHE)."""
+    return Path(os.environ.get("TLT_MODEL_CACHE") or REPO_ROOT / "var" / "models")
+
+
+def resolve_device(cfg: TLTConfig) -> str:
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+def tiny_model_key(cfg: TLTConfig) -> str:
+    """Cache key of the SFT'd tiny model: everything that changes its weights."""
+    m = cfg.model
+    data = {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv": m.num_kv_heads,
+            "sft_steps": m.sft_steps, "seed": cfg.run.seed, "task": cfg.task.kind, "v": 1}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepare_policy_folder(cfg: TLTConfig) -> Path:
+    """A Hugging Face folder with the starting policy (built and cached on first use)."""
+    source = cfg.model.source
+    if source == "hf":
+        folder = Path(cfg.model.path)
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"model.path {folder} has no config.json")
+        return folder
+    if source == "smollm2-135m":
+        from .smollm2 import ensure_smollm2
+
+        return ensure_smollm2(model_cache_dir() / "smollm2-135m")
+    # tiny: build + supervised warm-up on the long-tail task, cached by config hash
+    folder = model_cache_dir() / f"tiny-{tiny_model_key(cfg)}"
+    if (folder / "model.safetensors").exists() and (folder / "config.json").exists():
+        return folder
+    from .sft import train_tiny_longtail
+
+    log.info("training the tiny policy (%d SFT steps) into %s", cfg.model.sft_steps, folder)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process got there first: theirs is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def make_run_task(cfg: TLTConfig, policy_folder: Path):
+    from .tasks import make_task
+
+    if cfg.task.kind == "longtail":
+        return make_task("longtail")
+    return make_task(cfg.task.kind, tokenizer=policy_folder, path=cfg.task.path)
+
+
+def zip_folder(folder: Path, dest: Path) -> Path:
+    """Zip a folder (uses export.zip_folder when present)."""
+    try:
+        from .export import zip_folder as export_zip
+    except ImportError:
+        export_zip = None
+    if export_zip is not None:
+        return Path(export_zip(folder, dest))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as zf:
+        for p in sorted(folder.rglob("*")):
+            if p.is_file():
+                zf.write(p, p.relative_to(folder))
+    return dest
+
+
+# --- Ray --------------------------------------------------------------------------------------
+
+
+def ensure_ray(num_cpus: int | None = None) -> bool:
+    """Connect to Ray: the job's cluster when RAY_ADDRESS is set, else a fresh local instance.
+
+    Returns True when this call started Ray (so the caller shuts it down).
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
+        # "local": always a fresh instance here, never a cluster some other process left running
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
+                 log_to_driver=True)
+    return True
+
+
+# --- metrics merging --------------------------------------------------------------------------
+
+
+def _percentile(values: list[int], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+def length_scalars(lengths: list[int]) -> dict[str, float]:
+    return {
+        "rollout/len_mean": float(np.mean(lengths)) if lengths else 0.0,
+        "rollout/len_p50": _percentile(lengths, 50),
+        "rollout/len_p90": _percentile(lengths, 90),
+        "rollout/len_p99": _percentile(lengths, 99),
+        "rollout/len_max": float(max(lengths)) if lengths else 0.0,
+    }
+
+
+def merge_rollout_metrics(per_worker: list[dict[str, Any]], offsets: list[float]) -> tuple[dict[str, float], dict[str, Any]]:
+    """Merge the workers' rollout metrics into rollout/* and spec/* scalars and series.
+
+    offsets[i]: seconds between the step's rollout start and worker i's generation start (each
+    worker's `running` curve is relative to its own start). Counters are summed before dividing,
+    so a worker that decoded more weighs more.
+    """
+    tot = lambda key: float(sum(float(m.get(key, 0.0) or 0.0) for m in per_worker))  # noqa: E731
+    wall = max((float(m.get("wall_s", 0.0)) + off for m, off in zip(per_worker, offsets)), default=0.0)
+    # acceptance length: tokens per row per verify pass = sum (k+1) * hist[k] / sum hist[k]
+    passes = emitted = 0.0
+    for m in per_worker:
+        for k, c in enumerate(m.get("accepted_hist") or []):
+            passes += c
+            emitted += (k + 1) * c
+    scalars = {
+        "rollout/tokens_per_s": tot("total_tokens") / wall if wall > 0 else 0.0,
+        "rollout/tail_tokens_per_s_sd": tot("tail_tokens_sd") / tot("tail_s_sd") if tot("tail_s_sd") > 0 else 0.0,
+        "rollout/tail_tokens_per_s_no_sd": (tot("tail_tokens_no_sd") / tot("tail_s_no_sd")
+                                            if tot("tail_s_no_sd") > 0 else 0.0),
+        "spec/acceptance_length": emitted / passes if passes > 0 else 0.0,
+        "spec/switch_on_s": -1.0,
+        "spec/verify_passes": tot("verify_passes"),
+        "rollout/wall_s": wall,
+    }
+    # acceptance by draft position: sum attempts and accepts over workers
+    attempted: list[float] = []
+    accepted: list[float] = []
+    for m in per_worker:
+        a, c = m.get("attempted_by_pos") or [], m.get("accepted_by_pos") or []
+        for i, (x, y) in enumerate(zip(a, c)):
+            if i >= len(attempted):
+                attempted.append(0.0)
+                accepted.append(0.0)
+            attempted[i] += float(x)
+            accepted[i] += float(y)
+    accept_by_pos = [c / a if a > 0 else 0.0 for a, c in zip(attempted, accepted)]
+
+    strategy: dict[str, dict[str, int]] = {}
+    for m in per_worker:
+        for bucket, arms in (m.get("strategy") or {}).items():
+            dst = strategy.setdefault(bucket, {})
+            for arm, count in arms.items():
+                dst[arm] = dst.get(arm, 0) + int(count)
+
+    # running sequences over rollout time: the sum of every worker's step function
+    curves = []
+    for m, off in zip(per_worker, offsets):
+        pts = m.get("running") or []  # [[t_s, running, sd_on], ...] at each change
+        if pts:
+            curves.append(([float(p[0]) + off for p in pts], [int(p[1]) for p in pts], [int(bool(p[2])) for p in pts]))
+    times = sorted({t for c in curves for t in c[0]})
+    running, sd = [], []
+    for t in times:
+        n = s_on = 0
+        for ts, rs, sds in curves:
+            i = bisect.bisect_right(ts, t) - 1
+            if i >= 0:
+                n += rs[i]
+                s_on = max(s_on, sds[i])
+        running.append(n)
+        sd.append(s_on)
+    series = {
+        "rollout/running": {"t": [round(t, 4) for t in times], "running": running, "sd": sd},
+        "spec/accept_by_position": accept_by_pos,
+        "spec/strategy": strategy,
+    }
+    return scalars, series
+
+
+# --- the trainer ------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutput:
+    step: int
+    scalars: dict[str, float]
+    series: dict[str, Any]
+    responses: list[list[int]]
+    rewards: list[float]
+
+
+class Trainer:
+    """Builds the run's models and actors and runs its steps (see the module doc)."""
+
+    def __init__(self, cfg: TLTConfig, out: str | Path, tracking: Tracking, resume: bool = False,
+                 progress: Callable[[int, dict[str, float]], None] | None = None):
+        self.cfg = cfg
+        self.out = Path(out)
+        self.tracking = tracking
+        self.resume = resume
+        self.progress = progress
+        self.tlt = cfg.run.tlt
+        self.device = resolve_device(cfg)
+        self.step = 0
+        self.workers: list[Any] = []
+        self.coordinator = None
+        self._started_ray = False
+        self.ckpt = CheckpointManager(self.out / "checkpoints")
+        self.acct = Accounting()
+        self.history: list[StepOutput] = []
+        self._stop_requested = False
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(cfg.to_yaml())
+        random.seed(cfg.run.seed)
+        np.random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        if self.device == "cpu":
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+        self.policy_folder = prepare_policy_folder(cfg)
+        self.task = make_run_task(cfg, self.policy_folder)
+        dtype = getattr(torch, cfg.model.dtype)
+        self.policy = Transformer.from_pretrained(self.policy_folder, dtype=dtype, device=self.device)
+        self.eos_ids = sorted({self.task.eos_id, *self.policy.config.eos_ids})
+        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id)
+        self.prompt_rng = random.Random(cfg.run.seed)
+
+        from .buffer import DrafterBuffer
+        from .drafter import Drafter
+
+        self.buffer = DrafterBuffer(cfg.drafter.buffer_tokens)
+        self.drafter = Drafter.for_target(self.policy, seed=cfg.run.seed)
+        self.spec_states: list[Any] = [None] * cfg.rollout.num_workers
+
+        resumed = self.resume and self._load_latest()
+        if not resumed and self.tlt and cfg.drafter.warmup_steps > 0:
+            self._warmup_drafter()
+        self.drafter_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
+        self._start_actors()
+
+    def _warmup_drafter(self) -> None:
+        try:
+            from .drafter_train import warmup
+        except ImportError:
+            log.warning("drafter_train is not available: skipping the drafter warm-up")
+            return
+
+        t = time.perf_counter()
+        prompts = self.task.sample_prompts(max(8, self.cfg.task.prompts_per_step), random.Random(self.cfg.run.seed + 7))
+        stats = warmup(self.drafter, self.policy, [p.ids for p in prompts], self.cfg.drafter,
+                       max_new_tokens=self.cfg.rollout.max_new_tokens, eos_ids=self.eos_ids, seed=self.cfg.run.seed)
+        log.info("drafter warm-up: %s in %.1fs", stats, time.perf_counter() - t)
+
+    def _start_actors(self) -> None:
+        from .ray_workers import Coordinator, RolloutWorker
+
+        W = self.cfg.rollout.num_workers
+        self._started_ray = ensure_ray(num_cpus=max(W, os.cpu_count() or 1))
+        self.coordinator = Coordinator.remote(W, seed=self.cfg.run.seed)
+        gpu = self.device == "cuda"
+        opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 1}
+        self.workers = [
+            RolloutWorker.options(**opts).remote(i, self.policy.config, self.cfg, self.coordinator,
+                                                 device="cuda" if gpu else "cpu", threads=1)
+            for i in range(W)
+        ]
+        ray.get([w.load_spec_state.remote(s) for w, s in zip(self.workers, self.spec_states)])
+        self._policy_dirty = True
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def _load_latest(self) -> bool:
+        latest = self.ckpt.latest()
+        if latest is None:
+            log.info("no checkpoint under %s: starting fresh", self.ckpt.root)
+            return False
+        data = self.ckpt.load(latest)
+        st = data["state"]
+        fresh = Transformer.from_pretrained(data["policy_dir"], dtype=self.policy.dtype, device=self.device)
+        self.policy.load_state_dict(fresh.state_dict())
+        self.learner.load_state_dict(st["learner"])
+        self.drafter.load_state_dict(data["drafter"])
+        self.step = int(st["step"])
+        self.prompt_rng.setstate(st["prompt_rng"])
+        restore_rng(st["rng"])
+        from .buffer import DrafterBuffer
+
+        self.buffer = DrafterBuffer.from_state_dict(st["buffer"])
+        self.spec_states = st.get("spec_states") or self.spec_states
+        self.acct.load_state_dict(st.get("accounting", {}))
+        log.info("resumed from %s (step %d)", latest, self.step)
+        return True
+
+    def save_checkpoint(self) -> None:
+        self.spec_states = ray.get([w.spec_state.remote() for w in self.workers])
+        state = {
+            "learner": self.learner.state_dict(),
+            "prompt_rng": self.prompt_rng.getstate(),
+            "rng": capture_rng(),
+            "buffer": self.buffer.state_dict(),
+            "spec_states": self.spec_states,
+            "accounting": self.acct.state_dict(),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        step = self.step
+        export = self._export_drafter if self.tlt else None
+        self.ckpt.save(step, policy=self.policy, state=state, drafter_state=self.drafter_state,
+                       after_drafter=export)
+
+    def _export_drafter(self, folder: Path) -> tuple[str, int, Path] | None:
+        """Runs in the checkpoint thread: vLLM EAGLE folder + zip, announced from the main thread."""
+        try:
+            from .export import export_drafter
+        except ImportError:
+            return None
+        from .drafter import Drafter
+
+        drafter = Drafter(self.policy.config)
+        drafter.load_state_dict(torch.load(folder / "drafter.pt", weights_only=True))
+        step = int(folder.name.split("_")[-1])
+        eagle = export_drafter(drafter, self.policy_folder, folder / "drafter_eagle")
+        return ("drafter", step, zip_folder(Path(eagle), folder / "drafter_eagle.zip"))
+
+    def _announce_artifacts(self, results: list[Any]) -> None:
+        for r in results:
+            if r:
+                kind, step, path = r
+                self.tracking.artifact(kind, step, path)
+
+    # --- a step -------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        policy_state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+        pref = ray.put(policy_state)
+        dref = ray.put(self.drafter_state if self.tlt else None)
+        ray.get([w.load_weights.remote(pref, dref) for w in self.workers])
+
+    def _prev_records_ref(self):
+        """Previous step's long responses (upper half by length) from the online buffer."""
+        if not self.buffer.records:
+            return []
+        last = max(r.step for r in self.buffer.records)
+        recs = [r for r in self.buffer.records if r.step == last]
+        if not recs:
+            return []
+        median = float(np.median([len(r) for r in recs]))
+        keep = [r for r in recs if len(r) >= median]
+        return [ray.put([{"tokens": r.tokens, "hidden": r.hidden, "response_start": r.response_start,
+                          "step": r.step} for r in keep])]
+
+    def run_step(self) -> StepOutput:
+        cfg = self.cfg
+        self.step += 1
+        step = self.step
+        self.acct.start_step()
+        n = cfg.rollout.samples_per_prompt
+        prompts = self.task.sample_prompts(cfg.task.prompts_per_step, self.prompt_rng)
+        rows = [p.ids for p in prompts for _ in range(n)]  # group order: prompt g -> rows g*n..g*n+n-1
+
+        with self.acct.phase("sync"):
+            self._sync()
+
+        W = len(self.workers)
+        shards = [list(s) for s in np.array_split(np.arange(len(prompts)), W)]
+        with self.acct.phase("rollout"):
+            if self.tlt:
+                ray.get(self.coordinator.begin_step.remote(step, self.drafter_state, self._prev_records_ref()))
+            t0 = time.time()
+            refs = []
+            for i, (w, shard) in enumerate(zip(self.workers, shards)):
+                shard_rows = [rows[g * n + j] for g in shard for j in range(n)]
+                seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
+                refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
+            results = ray.get(refs)
+            drafter_stats: dict[str, float] = {}
+            if self.tlt:
+                self.drafter_state, drafter_stats = ray.get(self.coordinator.finish.remote())
+
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        lengths: list[int] = []
+        for res in results:  # shards are contiguous prompt ranges in worker order: group order holds
+            tokens.extend(res["tokens"])
+            logprobs.extend(res["logprobs"])
+            lengths.extend(res["lengths"])
+
+        with self.acct.phase("reward"):
+            rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
+
+        with self.acct.phase("learner"):
+            batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
+                                 rollout_logprobs=logprobs)
+            learner_metrics = self.learner.step(batch)
+
+        with self.acct.phase("buffer"):
+            if self.tlt:
+                for res in results:
+                    for ref in res["records"] or []:
+                        for r in ray.get(ref):
+                            self.buffer.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
+
+        # --- metrics ---
+        times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
+                             [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
+        idle_scalars, timeline = self.acct.rollout(t0, times)
+        roll_scalars, roll_series = merge_rollout_metrics([r["metrics"] for r in results],
+                                                          [r["gen_start"] - t0 for r in results])
+        scalars: dict[str, float] = {}
+        scalars["reward/mean"] = float(np.mean(rewards)) if rewards else 0.0
+        scalars["reward/accuracy"] = float(np.mean([r > 0.5 for r in rewards])) if rewards else 0.0
+        scalars.update(length_scalars(lengths))
+        scalars.update(roll_scalars)
+        scalars.update(learner_metrics)
+        scalars.update(idle_scalars)
+        scalars.update({"drafter/loss": 0.0, "drafter/accuracy": 0.0})
+        scalars.update(drafter_stats)
+        if "drafter/steps" in drafter_stats:
+            scalars["drafter/steps"] = drafter_stats["drafter/steps"]
+        scalars["buffer/records"] = float(len(self.buffer))
+        scalars["buffer/tokens"] = float(self.buffer.num_tokens)
+        scalars.update(self.acct.timings())
+        series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series}
+
+        self.tracking.log(step, scalars, series)
+        interval = cfg.run.checkpoint_interval
+        if (interval and step % interval == 0) or step == cfg.run.steps:
+            self.save_checkpoint()
+        self._announce_artifacts(self.ckpt.completed())
+        out = StepOutput(step, scalars, series, tokens, rewards)
+        self.history.append(out)
+        if self.progress is not None:
+            self.progress(step, scalars)
+        return out
+
+    def run(self) -> dict[str, Any]:
+        """Run the remaining steps (all of them, or those after the resumed checkpoint)."""
+        while self.step < self.cfg.run.steps and not self._stop_requested:
+            self.run_step()
+        self._announce_artifacts(self.ckpt.flush())
+        if self.step >= self.cfg.run.steps:
+            final = self.out / "policy"
+            if final.exists():
+                shutil.rmtree(final)
+            self.policy.save_pretrained(final)
+            tok = getattr(self.task, "tokenizer", None)
+            if tok is not None and hasattr(tok, "save"):
+                tok.save(str(final / "tokenizer.json"))
+            self.tracking.artifact("policy", self.step, zip_folder(final, self.out / "policy.zip"))
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        steps = [h.scalars for h in self.history]
+
+        def mean(key: str) -> float:
+            vals = [s[key] for s in steps if key in s]
+            return float(np.mean(vals)) if vals else 0.0
+
+        return {"steps": self.step, "mean_step_s": mean("timing_s/step"), "reward_mean": mean("reward/mean"),
+                "acceptance_length": mean("spec/acceptance_length"), "idle_reclaimed_frac": mean("idle/reclaimed_frac")}
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def close(self) -> None:
+        try:
+            self.ckpt.close()
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            if self.coordinator is not None:
+                ray.kill(self.coordinator)
+            self.workers, self.coordinator = [], None
+            if self._started_ray:
+                ray.shutdown()
+                self._started_ray = False
