@@ -156,3 +156,17 @@ def test_the_trainers_http_sink_talks_to_the_endpoints(live_server, run, run_tok
     sink.close()
     assert MetricStep.objects.filter(run=run, step=1).exists()
     assert Artifact.objects.filter(run=run, kind="drafter", step=1).exists()
+
+
+def test_a_rejected_upload_leaves_no_partial_files(client, run, run_token, settings):
+    _upload(client, run, run_token, kind="../bad", content=b"x" * 5000)
+    leftovers = [p for p in settings.TLT_ARTIFACT_DIR.rglob("*") if p.is_file()] if settings.TLT_ARTIFACT_DIR.exists() else []
+    assert leftovers == []
+
+
+def test_an_upload_over_the_size_limit_is_refused_and_removed(client, run, run_token, settings):
+    settings.TLT_MAX_ARTIFACT_BYTES = 1000
+    resp = _upload(client, run, run_token, content=b"x" * 200_000)
+    assert resp.status_code == 400
+    assert not Artifact.objects.exists()
+    assert not [p for p in settings.TLT_ARTIFACT_DIR.rglob("*") if p.is_file()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse, JsonResponse
 from django.urls import reverse
@@ -16,6 +17,7 @@ from tltweb.api.openapi import OPENAPI
 from tltweb.api.schemas import ArtifactForm, LaunchBody, MetricsBody, RunPatchBody
 from tltweb.runs import selectors, services
 from tltweb.runs.models import Artifact, Run
+from tltweb.runs.uploads import HashedUpload, HashingUploadHandler
 
 
 # ---- serializers ----
@@ -206,12 +208,18 @@ def ingest_metrics(request: HttpRequest, run_id: str) -> JsonResponse:
 
 @ingest_endpoint
 def ingest_artifacts(request: HttpRequest, run_id: str) -> JsonResponse:
-    run = _ingest_run(request, run_id)
+    run = _ingest_run(request, run_id)  # the token is checked before a byte of the body is read
     if isinstance(run, JsonResponse):
         return run
-    form = ArtifactForm.model_validate({"kind": request.POST.get("kind", ""), "step": request.POST.get("step", "")})
-    upload = request.FILES.get("file")
-    if upload is None:
-        raise BadRequest("multipart field 'file' is required", errors={"file": "required"})
-    artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=upload)
+    request.upload_handlers = [HashingUploadHandler(services.artifact_folder(run), settings.TLT_MAX_ARTIFACT_BYTES, request)]
+    uploads = request.FILES.getlist("file")
+    try:
+        form = ArtifactForm.model_validate({"kind": request.POST.get("kind", ""), "step": request.POST.get("step", "")})
+        if len(uploads) != 1:
+            raise BadRequest("send exactly one multipart field 'file'", errors={"file": "required"})
+        artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0])
+    finally:
+        for upload in uploads:  # streamed .part files: renamed when stored, removed otherwise
+            if isinstance(upload, HashedUpload):
+                upload.path.unlink(missing_ok=True)
     return JsonResponse(artifact_json(artifact, api=True), status=201)

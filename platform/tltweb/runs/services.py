@@ -23,6 +23,7 @@ from tltweb.accounts.models import Member, Team
 from tltweb.accounts.services import token_hash
 from tltweb.runs import dispatch
 from tltweb.runs.models import ACTIVE_STATES, Artifact, MetricStep, Run, RunState
+from tltweb.runs.uploads import HashedUpload
 from workers.tlt.config import PRESETS, ConfigError, load_config, preset as preset_config
 
 log = logging.getLogger(__name__)
@@ -267,33 +268,44 @@ def metrics_record(*, run: Run, step: int, scalars: dict[str, float], series: di
     return row
 
 
+def artifact_folder(run: Run) -> Path:
+    return Path(settings.TLT_ARTIFACT_DIR) / str(run.team_id) / str(run.id)
+
+
 def artifact_store(*, run: Run, kind: str, step: int, upload: Any, filename: str = "") -> Artifact:
-    """Stream an uploaded file into TLT_ARTIFACT_DIR, hashing while writing; idempotent per (run, kind, step)."""
-    root = Path(settings.TLT_ARTIFACT_DIR)
+    """Store an uploaded file under TLT_ARTIFACT_DIR with its size and SHA-256; idempotent per (run, kind, step).
+
+    `upload` is either a HashedUpload (already streamed into the run's folder and hashed by
+    HashingUploadHandler: it is only renamed) or any file-like object, copied in chunks while hashing.
+    """
+    folder = artifact_folder(run)
+    folder.mkdir(parents=True, exist_ok=True)
     filename = Path(filename or getattr(upload, "name", "") or f"{kind}.bin").name or f"{kind}.bin"
-    rel = Path(str(run.team_id)) / str(run.id) / f"{kind}-step{step:06d}-{filename}"
-    final = root / rel
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.part")
-    digest, size = hashlib.sha256(), 0
-    try:
-        with open(tmp, "wb") as out:
-            chunks = upload.chunks() if hasattr(upload, "chunks") else iter(lambda: upload.read(1 << 20), b"")
-            for chunk in chunks:
-                size += len(chunk)
-                if size > settings.TLT_MAX_ARTIFACT_BYTES:
-                    raise ValidationError({"file": "artifact too large"})
-                digest.update(chunk)
-                out.write(chunk)
-        tmp.replace(final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    final = folder / f"{kind}-step{step:06d}-{filename}"
+    if isinstance(upload, HashedUpload):
+        tmp, size, sha256 = upload.path, upload.size, upload.sha256
+    else:
+        tmp = folder / f".upload-{uuid.uuid4().hex}.part"
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(tmp, "wb") as out:
+                chunks = upload.chunks() if hasattr(upload, "chunks") else iter(lambda: upload.read(1 << 20), b"")
+                for chunk in chunks:
+                    size += len(chunk)
+                    if size > settings.TLT_MAX_ARTIFACT_BYTES:
+                        raise ValidationError({"file": "artifact too large"})
+                    digest.update(chunk)
+                    out.write(chunk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        sha256 = digest.hexdigest()
+    Path(tmp).replace(final)
+    rel = final.relative_to(Path(settings.TLT_ARTIFACT_DIR))
     try:
         artifact, _ = Artifact.objects.update_or_create(
-            run=run,
-            kind=kind,
-            step=step,
-            defaults={"filename": filename, "path": str(rel), "size": size, "sha256": digest.hexdigest()},
+            run=run, kind=kind, step=step,
+            defaults={"filename": filename, "path": str(rel), "size": size, "sha256": sha256},
         )
     except IntegrityError:  # a concurrent retry of the same upload won the race; same content
         artifact = Artifact.objects.get(run=run, kind=kind, step=step)
@@ -308,7 +320,7 @@ def artifact_path(artifact: Artifact) -> Path:
 
 
 def run_files_delete(*, run: Run) -> None:
-    shutil.rmtree(Path(settings.TLT_ARTIFACT_DIR) / str(run.team_id) / str(run.id), ignore_errors=True)
+    shutil.rmtree(artifact_folder(run), ignore_errors=True)
 
 
 def run_fail(*, run_id: uuid.UUID | str, error: str) -> None:
