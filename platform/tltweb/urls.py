@@ -3,7 +3,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 from django.views.generic import RedirectView
-from django.views.static import serve
+from django.contrib.staticfiles.views import serve as static_serve
 
 from tltweb import health
 from tltweb.accounts import views as accounts
@@ -32,5 +32,6 @@ urlpatterns = [
 ]
 
 if settings.SERVE_STATIC and not settings.DEBUG:
-    # DEBUG serves static through runserver/staticfiles; without DEBUG, from collectstatic's folder.
-    urlpatterns += [re_path(r"^static/(?P<path>.*)$", serve, {"document_root": settings.STATIC_ROOT})]
+    # runserver serves static files when DEBUG is on; gunicorn (compose) has no static server in
+    # front, so Django serves the few files of static/ itself (no collectstatic step needed).
+    urlpatterns += [re_path(r"^static/(?P<path>.*)$", static_serve, {"insecure": True})]

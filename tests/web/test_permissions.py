@@ -172,3 +172,17 @@ def test_an_outsider_cannot_download_by_guessing_ids(client, run, artifact, char
     client.force_login(charlie)
     resp = client.get(reverse("artifact-download", args=[run.id, artifact.pk]))
     assert resp.status_code == 404
+
+
+def test_the_admin_lists_teams_runs_and_tokens_for_staff(client, run, alice):
+    alice.is_staff = alice.is_superuser = True
+    alice.save()
+    client.force_login(alice)
+    for model in ("accounts/team", "accounts/apitoken", "runs/run", "runs/metricstep", "runs/artifact"):
+        assert client.get(f"/admin/{model}/").status_code == 200, model
+    assert client.get(f"/admin/runs/run/{run.pk}/change/").status_code == 200
+
+
+def test_the_admin_is_closed_to_non_staff(client, alice):
+    client.force_login(alice)
+    assert client.get("/admin/runs/run/").status_code == 302
