@@ -29,23 +29,12 @@ from typing import Any
 import ray
 import torch
 
+from .drafter_train import average_state_dicts
+
 log = logging.getLogger(__name__)
 
 SPOT_CHUNK_STEPS = 4  # drafter optimizer steps per whole update (the unit that is applied or dropped)
 FETCH_RETRY_S = 0.005  # poll interval of a worker waiting for the round to close or for data
-
-
-def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Parameter average of whole updates (delegates to drafter_train when it is there)."""
-    try:
-        from .drafter_train import average_state_dicts
-    except ImportError:  # pragma: no cover - until the drafter trainer lands
-        average_state_dicts = None
-    if average_state_dicts is not None:
-        return average_state_dicts(states)
-    if len(states) == 1:
-        return {k: v.clone() for k, v in states[0].items()}
-    return {k: torch.stack([s[k].float() for s in states]).mean(0).to(states[0][k].dtype) for k in states[0]}
 
 
 class CoordinatorImpl:
@@ -181,7 +170,7 @@ class CoordinatorImpl:
         if r is None or not r["submitted"]:
             return
         states = [s for s, _ in r["submitted"].values()]
-        self.master = average_states(states)
+        self.master = average_state_dicts(states)
         self.version += 1
         self.history.append(self.version)
         for _, st in r["submitted"].values():
@@ -237,14 +226,13 @@ def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, ch
         for r in mine:
             buf.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
         drafter.load_state_dict(job["state"])
-        trainer.reset_rng(job["seed"]) if hasattr(trainer, "reset_rng") else None
-        stats = trainer.train(buf, max_steps=chunk_steps, should_stop=stop)
-        done = int(_get(stats, "steps", 0))
-        whole = done >= chunk_steps and not _get(stats, "preempted", False)
-        if whole:
+        trainer.rng = random.Random(job["seed"])
+        done = int(trainer.train(buf, max_steps=chunk_steps, should_stop=stop))
+        if done >= chunk_steps:  # a whole update: submit it
             steps_done += done
+            last = getattr(trainer, "last_metrics", {}) or {}
             _call(coordinator, "submit", worker, job["version"], _trainable_state(drafter),
-                  {"steps": done, "loss": _get(stats, "loss", 0.0), "accuracy": _get(stats, "accuracy", 0.0)})
+                  {"steps": done, "loss": last.get("loss", 0.0), "accuracy": last.get("accuracy", 0.0)})
             if on_update is not None:
                 on_update(job["version"], _trainable_state(drafter))
             # wait for the other members so the next update starts from the averaged master
@@ -255,12 +243,6 @@ def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, ch
             break
     intervals.append((t_start, time.time()))
     return intervals, steps_done
-
-
-def _get(stats: Any, key: str, default: Any) -> Any:
-    if isinstance(stats, dict):
-        return stats.get(key, default)
-    return getattr(stats, key, default)
 
 
 def _call(handle, method: str, *args):
@@ -321,7 +303,7 @@ class RolloutWorkerImpl:
         if self._trainer is None:
             from .drafter_train import DrafterTrainer
 
-            self._trainer = DrafterTrainer(self.drafter, self.cfg.drafter)
+            self._trainer = DrafterTrainer(self.drafter, self.cfg.drafter, seed=self.cfg.run.seed + self.id)
         return self._trainer
 
     # --- a step -------------------------------------------------------------------------------

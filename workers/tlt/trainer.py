@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -109,22 +108,6 @@ def make_run_task(cfg: TLTConfig, policy_folder: Path):
     if cfg.task.kind == "longtail":
         return make_task("longtail")
     return make_task(cfg.task.kind, tokenizer=policy_folder, path=cfg.task.path)
-
-
-def zip_folder(folder: Path, dest: Path) -> Path:
-    """Zip a folder (uses export.zip_folder when present)."""
-    try:
-        from .export import zip_folder as export_zip
-    except ImportError:
-        export_zip = None
-    if export_zip is not None:
-        return Path(export_zip(folder, dest))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as zf:
-        for p in sorted(folder.rglob("*")):
-            if p.is_file():
-                zf.write(p, p.relative_to(folder))
-    return dest
 
 
 # --- Ray --------------------------------------------------------------------------------------
@@ -300,17 +283,18 @@ class Trainer:
         self._start_actors()
 
     def _warmup_drafter(self) -> None:
-        try:
-            from .drafter_train import warmup
-        except ImportError:
-            log.warning("drafter_train is not available: skipping the drafter warm-up")
-            return
+        """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only)."""
+        from .drafter_train import DrafterTrainer
 
+        cfg = self.cfg
         t = time.perf_counter()
-        prompts = self.task.sample_prompts(max(8, self.cfg.task.prompts_per_step), random.Random(self.cfg.run.seed + 7))
-        stats = warmup(self.drafter, self.policy, [p.ids for p in prompts], self.cfg.drafter,
-                       max_new_tokens=self.cfg.rollout.max_new_tokens, eos_ids=self.eos_ids, seed=self.cfg.run.seed)
-        log.info("drafter warm-up: %s in %.1fs", stats, time.perf_counter() - t)
+        prompts = self.task.sample_prompts(max(16, cfg.task.prompts_per_step * 2), random.Random(cfg.run.seed + 7))
+        trainer = DrafterTrainer(self.drafter, cfg.drafter, seed=cfg.run.seed)
+        steps = trainer.warmup(self.policy, [p.ids for p in prompts], cfg.drafter.warmup_steps,
+                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                               seed=cfg.run.seed)
+        self.drafter.eval()
+        log.info("drafter warm-up: %d steps in %.1fs (%s)", steps, time.perf_counter() - t, trainer.last_metrics)
 
     def _start_actors(self) -> None:
         from .ray_workers import Coordinator, RolloutWorker
@@ -370,16 +354,13 @@ class Trainer:
 
     def _export_drafter(self, folder: Path) -> tuple[str, int, Path] | None:
         """Runs in the checkpoint thread: vLLM EAGLE folder + zip, announced from the main thread."""
-        try:
-            from .export import export_drafter
-        except ImportError:
-            return None
         from .drafter import Drafter
+        from .export import export_drafter, zip_folder
 
         drafter = Drafter(self.policy.config)
         drafter.load_state_dict(torch.load(folder / "drafter.pt", weights_only=True))
         step = int(folder.name.split("_")[-1])
-        eagle = export_drafter(drafter, self.policy_folder, folder / "drafter_eagle")
+        eagle = export_drafter(drafter, folder / "drafter_eagle")
         return ("drafter", step, zip_folder(Path(eagle), folder / "drafter_eagle.zip"))
 
     def _announce_artifacts(self, results: list[Any]) -> None:
@@ -499,13 +480,9 @@ class Trainer:
             self.run_step()
         self._announce_artifacts(self.ckpt.flush())
         if self.step >= self.cfg.run.steps:
-            final = self.out / "policy"
-            if final.exists():
-                shutil.rmtree(final)
-            self.policy.save_pretrained(final)
-            tok = getattr(self.task, "tokenizer", None)
-            if tok is not None and hasattr(tok, "save"):
-                tok.save(str(final / "tokenizer.json"))
+            from .export import export_policy, zip_folder
+
+            final = export_policy(self.policy, self.out / "policy", tokenizer=self.policy_folder)
             self.tracking.artifact("policy", self.step, zip_folder(final, self.out / "policy.zip"))
         return self.summary()
 
