@@ -121,9 +121,10 @@ def metrics_record_fake(step: int) -> dict:
 
 def _ray_up(address: str) -> bool:
     import requests
+    from tltweb.runs.dispatch import ray_auth_headers
 
     try:
-        return requests.get(address.rstrip("/") + "/api/version", timeout=2).ok
+        return requests.get(address.rstrip("/") + "/api/version", headers=ray_auth_headers(), timeout=2).ok
     except requests.RequestException:
         return False
 

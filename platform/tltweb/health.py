@@ -34,8 +34,10 @@ def _broker() -> None:
 
 
 def _ray() -> None:
-    resp = requests.get(settings.RAY_ADDRESS.rstrip("/") + "/api/version", timeout=2)
-    resp.raise_for_status()
+    from tltweb.runs.dispatch import ray_auth_headers
+
+    resp = requests.get(settings.RAY_ADDRESS.rstrip("/") + "/api/version", headers=ray_auth_headers(), timeout=2)
+    resp.raise_for_status()  # 401: reachable, but our token is missing or wrong: still unusable
 
 
 CHECKS: dict[str, Callable[[], None]] = {"database": _database, "broker": _broker, "ray": _ray}

@@ -169,3 +169,16 @@ def test_the_celery_app_reads_django_settings():
     assert app.conf.worker_redirect_stdouts is False
     assert "runs-sync" in app.conf.beat_schedule
     assert app.conf.beat_schedule["runs-sync"]["task"] == "workers.tasks.runs_sync"
+
+
+def test_the_ray_client_sends_the_clusters_auth_token(monkeypatch, tmp_path):
+    from tltweb.runs.dispatch import ray_auth_headers
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    assert ray_auth_headers() == {}
+    (tmp_path / "auth_token").write_text("abc123\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+    assert ray_auth_headers() == {"Authorization": "Bearer abc123"}
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert ray_auth_headers() == {"Authorization": "Bearer from-env"}

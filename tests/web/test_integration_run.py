@@ -83,7 +83,9 @@ def test_a_tiny_run_launched_from_the_form_finishes_with_metrics_and_a_drafter(c
     assert len(steps) == 2
     assert "reward/mean" in steps[-1].scalars and "rollout/lengths" in steps[-1].series
     drafter = Artifact.objects.filter(run=run, kind="drafter").first()
-    assert drafter is not None and drafter.size > 0 and len(drafter.sha256) == 64
+    kinds = list(Artifact.objects.filter(run=run).values_list("kind", "step"))
+    assert drafter is not None, f"no drafter artifact; got {kinds}\n{_diagnose(run.id, celery_worker_proc)}"
+    assert drafter.size > 0 and len(drafter.sha256) == 64
     download = client.get(reverse("artifact-download", args=[run.id, drafter.pk]))
     assert download.status_code == 200
     import hashlib

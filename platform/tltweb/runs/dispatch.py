@@ -6,7 +6,9 @@ Services get a client from `ray_client()`; tests pass a fake with the same four 
 
 from __future__ import annotations
 
+import os
 import shlex
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -15,10 +17,27 @@ from django.conf import settings
 JOB_STATE = {"RUNNING": "running", "SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "cancelled"}
 
 
+def ray_auth_headers() -> dict[str, str]:
+    """Ray >= 2.5x token auth: the cluster's token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token (where a local head keeps it), as an Authorization header; {} when none.
+
+    Ray's own client only sends it when RAY_AUTH_MODE=token is set in this process, and a head
+    started after any local `ray.init()` on the machine has token auth on, so send it explicitly.
+    """
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        try:
+            token = path.read_text().strip()
+        except OSError:
+            token = ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def ray_client() -> Any:
     from ray.job_submission import JobSubmissionClient  # heavy import; only workers need it
 
-    return JobSubmissionClient(settings.RAY_ADDRESS)
+    return JobSubmissionClient(settings.RAY_ADDRESS, headers=ray_auth_headers())
 
 
 def job_info_or_none(client: Any, submission_id: str) -> Any | None:
