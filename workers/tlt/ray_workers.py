@@ -270,6 +270,8 @@ class RolloutWorkerImpl:
             p.requires_grad_(False)
         self.drafter = Drafter(model_config, self.policy).to(device=self.device, dtype=dtype)
         self._trainer = None
+        if cfg.run.tlt:
+            self._get_trainer()  # the optimizer's first construction imports a lot: not on the idle clock
         self._bandit = None
         self._record_cache: dict = {}
 

@@ -418,6 +418,9 @@ class Trainer:
             if self.tlt:
                 self.drafter_state, drafter_stats = ray.get(self.coordinator.finish.remote())
 
+        t_end = time.time()
+        self.last_results = results
+        self.last_rollout_window = (t0, t_end)
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         lengths: list[int] = []
