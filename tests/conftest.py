@@ -226,7 +226,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--no-first-run"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     playwright = pytest.importorskip("playwright.sync_api")
     if not Path("/usr/bin/chromium").exists():

@@ -63,7 +63,7 @@ def test_database_url_refuses_what_it_cannot_use(url):
 
 
 def _django(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in {"DEBUG", "SECRET_KEY", "DATABASE_URL"}}
+    clean = {k: v for k, v in os.environ.items() if k not in {"DEBUG", "SECRET_KEY", "DATABASE_URL", "DJANGO_ALLOW_ASYNC_UNSAFE"}}
     return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**clean, **env},
                           capture_output=True, text=True, timeout=120)
 
