@@ -175,3 +175,17 @@ def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
             "the master drafter is not a whole update"
         assert stats["drafter/steps"] == 4 * len(submitted) == result["out"][1]
         ray.kill(coord)
+
+
+def test_the_entry_point_rejects_a_bad_config_with_exit_code_2(tmp_path, capsys, monkeypatch):
+    from workers.tlt.train import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec:\n  threshold: 0\n")
+    assert main([str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "spec.threshold" in capsys.readouterr().err
+    monkeypatch.setenv("TLT_CONFIG", "rollout: {temperature: -1}")
+    assert main(["--out", str(tmp_path / "out")]) == 2
+    assert "rollout.temperature" in capsys.readouterr().err
+    monkeypatch.delenv("TLT_CONFIG")
+    assert main(["--out", str(tmp_path / "out")]) == 2
