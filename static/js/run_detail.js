@@ -5,6 +5,8 @@
   var root = document.getElementById("dashboard");
   var metricsUrl = root.dataset.metricsUrl;
   var stepUrl = root.dataset.stepUrl;
+  var artifactsUrl = root.dataset.artifactsUrl;
+  var artifactCount = document.querySelectorAll("#artifact-rows a.download").length;
   var wasActive = root.dataset.active === "1";
   var slider = document.getElementById("step-slider");
   var stepLabel = document.getElementById("step-label");
@@ -114,6 +116,42 @@
       .then(function (rec) { if (rec) { seriesCache[step] = rec; if (shownStep === step) drawStep(rec); } });
   }
 
+  function humanSize(n) {
+    var units = ["bytes", "KB", "MB", "GB", "TB"], i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return (i ? n.toFixed(1) : n) + " " + units[i];
+  }
+
+  // New checkpoints (drafter, policy) appear in the table while the run goes on.
+  function refreshArtifacts() {
+    fetch(artifactsUrl, { credentials: "same-origin" }).then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (data) {
+        if (!data || data.artifacts.length === artifactCount) return;
+        artifactCount = data.artifacts.length;
+        var body = document.getElementById("artifact-rows");
+        body.textContent = "";
+        data.artifacts.forEach(function (a) {
+          var tr = document.createElement("tr");
+          [a.kind, a.step, null, humanSize(a.size), null].forEach(function (v, i) {
+            var td = document.createElement("td");
+            if (i === 2) {
+              var link = document.createElement("a");
+              link.className = "download"; link.href = a.download_url; link.dataset.kind = a.kind; link.textContent = a.filename;
+              td.appendChild(link);
+            } else if (i === 4) {
+              var code = document.createElement("code");
+              code.className = "hash"; code.textContent = a.sha256;
+              td.appendChild(code);
+            } else {
+              td.textContent = v;
+            }
+            tr.appendChild(td);
+          });
+          body.appendChild(tr);
+        });
+      });
+  }
+
   function updateState(data) {
     var el = document.querySelector("#run-state .state");
     if (el && !el.classList.contains("state-" + data.state)) {
@@ -139,6 +177,7 @@
           slider.max = lastStep;
           if (follow) { slider.value = lastStep; showStep(lastStep); }
           summary.textContent = steps.length + " steps · last " + lastStep;
+          refreshArtifacts();
         }
         updateState(data);
         schedule(data.active);

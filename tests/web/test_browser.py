@@ -100,8 +100,10 @@ def test_log_in_launch_watch_charts_fill_download_and_cancel(page, live_server, 
     drafter = tmp_path / "drafter.zip"
     drafter.write_bytes(b"PK\x05\x06" + bytes(18) + b"drafter weights")
     sink.artifact("drafter", 2, drafter)
+    rec = metrics_record_fake(3)
+    sink.log(3, rec["scalars"], rec["series"])  # a new step makes the page look for new artifacts
     sink.close()
-    page.reload()
+    page.wait_for_selector("a.download[data-kind=drafter]")
     with page.expect_download() as download_info:
         page.click("a.download[data-kind=drafter]")
     downloaded = Path(download_info.value.path())
