@@ -6,7 +6,8 @@
 
 Metrics always go to the console and to OUT/metrics.jsonl; with TLT_INGEST_URL and TLT_RUN_TOKEN
 set they are also posted to the platform. A bad config exits with code 2 and names the field.
-SIGTERM (Ray job stop) finishes the step in flight, flushes the checkpoint writer and exits 143.
+SIGTERM (Ray job stop) abandons the step in flight, flushes the background checkpoint writer (so
+the last checkpoint is complete; --resume continues from it) and exits 143.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ log = logging.getLogger("workers.tlt.train")
 
 EXIT_BAD_CONFIG = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(Exception):
+    """Raised in the main thread by the SIGTERM handler."""
 
 
 def read_config(path: str | None, preset_name: str | None) -> TLTConfig:
@@ -92,11 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, out, tracking, resume=args.resume, progress=progress)
     terminated = False
 
-    def on_sigterm(signum, frame):  # Ray job stop: end after this step, keep checkpoints consistent
-        nonlocal terminated
-        terminated = True
-        log.warning("SIGTERM: stopping after the current step")
-        trainer.request_stop()
+    def on_sigterm(signum, frame):  # Ray job stop: leave now; the last complete checkpoint is the resume point
+        raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
@@ -104,18 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         bar.n = trainer.step
         bar.refresh()
         summary = trainer.run()
-        if terminated:
-            trainer.save_checkpoint()
         log.info("done: %s", summary)
-    except KeyboardInterrupt:
+    except (Terminated, KeyboardInterrupt):
         terminated = True
+        log.warning("terminated at step %d: flushing the checkpoint writer", trainer.step)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the flush short
         bar.close()
         try:
-            trainer.close()  # flushes the async checkpoint writer
+            trainer.close()  # waits for the background drafter write: checkpoints stay complete
         finally:
             tracking.close()
+            signal.signal(signal.SIGTERM, previous)
     return EXIT_TERMINATED if terminated else 0
 
 
