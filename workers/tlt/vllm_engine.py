@@ -27,17 +27,19 @@ How each TLT part maps onto vLLM:
   sequences run, none above. Where the installed vLLM lacks it, `disable_by_batch_size`
   (older releases) is used; where neither exists, SD stays on at every batch size (logged).
   There is no bandit here: vLLM picks no strategy per step; the arm is fixed (depth k, chain).
-- Policy weight update: vLLM's in-place reload, `LLM.collective_rpc("reload_weights",
-  kwargs={"weights_iterator": [(name, tensor), ...]})` (Worker.reload_weights ->
-  model_executor.model_loader.reload.reload_weights: load_weights into the live parameters), or
-  `weights_path=<folder>` from disk. The prefix cache is reset afterwards: its KV blocks were
-  computed with the old weights. The drafter shares the target's embedding and LM head by
-  reference, so those follow automatically.
-- Drafter weight update: vLLM 0.32 has a draft-weight path only through its GPU weight-transfer
+- Policy weight update: vLLM's in-place reload, Worker.reload_weights(weights_iterator=...) ->
+  model_executor.model_loader.reload.reload_weights (layerwise: the model's own load_weights into
+  the live tensors, kernels re-processed), called by name through LLM.collective_rpc; or
+  `collective_rpc("reload_weights", kwargs={"weights_path": <folder>})` from disk. The prefix cache
+  is reset afterwards: its KV blocks were computed with the old weights. The drafter shares the
+  target's embedding and LM head by reference, so those follow automatically.
+- Drafter weight update: vLLM 0.32 updates draft weights only through its GPU weight-transfer
   engines (CUDA IPC / NCCL, `start_draft_weight_update`). To work on every device this engine adds
-  one worker method through vLLM's `worker_extension_cls` hook (TLTWorkerExtension below):
-  `get_draft_model().load_weights(...)`, the same loader vLLM uses at start-up, called by name
-  through collective_rpc (no pickled callables, no VLLM_ALLOW_INSECURE_SERIALIZATION).
+  worker methods through vLLM's `worker_extension_cls` hook (TLTWorkerExtension below): the same
+  layerwise reload, run on `get_draft_model()`. Called by name (no pickled callables, no
+  VLLM_ALLOW_INSECURE_SERIALIZATION). Tensors go as the list itself to an in-process engine and as
+  one safetensors blob to an engine core in another process (collective_rpc args carry no typed
+  tensors there).
 - Metrics: vLLM's spec-decode counters (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
   `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`, from `LLM.get_metrics()` with
   stat logging on), differenced around each generate() call and mapped onto RolloutMetrics: a
@@ -168,7 +170,13 @@ class TLTWorkerExtension:
             raise RuntimeError("no speculative draft model in this vLLM engine (speculative_config not set)")
         return model.unwrap() if hasattr(model, "unwrap") else model
 
-    def tlt_load_draft_weights(self, weights: list) -> int:
+    def tlt_load_policy_weights(self, weights: Any) -> int:
+        """vLLM's own in-place reload (Worker.reload_weights) from [(name, tensor)] or safetensors bytes."""
+        named = _unpack(weights)
+        self.reload_weights(weights_iterator=named)
+        return len(named)
+
+    def tlt_load_draft_weights(self, weights: Any) -> int:
         """Load [(name, tensor)] in the exported drafter layout (fc.weight, layers.0.*) in place.
 
         The same layerwise reload vLLM's reload_weights runs for the target: kernels may have
@@ -178,6 +186,7 @@ class TLTWorkerExtension:
         Layers that receive nothing (the target's shared embedding and LM head) are put back as
         they were.
         """
+        weights = _unpack(weights)
         model = self._tlt_draft_model()
         try:
             from vllm.config import set_current_vllm_config
@@ -193,6 +202,15 @@ class TLTWorkerExtension:
             model.load_weights((name, t) for name, t in weights)
             finalize_layerwise_reload(model, draft_config)
         return len(weights)
+
+
+def _unpack(weights: Any) -> list[tuple[str, Tensor]]:
+    """Worker side: safetensors bytes (from another process) or [(name, tensor)] (same process)."""
+    if isinstance(weights, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        return list(load(bytes(weights)).items())
+    return [(name, t) for name, t in weights]
 
 
 def _named_tensors(weights: Any, skip: Callable[[str], bool] = lambda name: False) -> list[tuple[str, Tensor]]:
@@ -296,10 +314,13 @@ class VllmRolloutEngine:
         eos_hit = [False] * B
         index: dict[str, int] = {}
         t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
+        inputs: list[Any] = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        render = getattr(getattr(self.llm, "renderer", None), "render_cmpl", None)
+        if render is not None:  # vLLM >= 0.3x renders prompts first (raw prompts to add_request are deprecated)
+            inputs = list(render(inputs))
+        for i, prompt in enumerate(inputs):
             rid = f"tlt{self._calls}-{i}"
-            got = engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in p]),
-                                     self._vllm_params(params, max_new_tokens, eos_ids, seed * 1_000_003 + i))
+            got = engine.add_request(rid, prompt, self._vllm_params(params, max_new_tokens, eos_ids, seed * 1_000_003 + i))
             index[rid] = i
             if isinstance(got, str):
                 index[got] = i
@@ -357,6 +378,18 @@ class VllmRolloutEngine:
 
     # --- weight updates ---------------------------------------------------------------------------
 
+    def _payload(self, named: list[tuple[str, Tensor]]) -> Any:
+        """Tensors for a worker RPC. In-process engine: the list itself. Engine in another process:
+        collective_rpc's msgpack args carry no typed tensors (they arrive as plain lists), so the
+        weights travel as one safetensors blob. (Large models on GPU nodes: vLLM's NCCL / CUDA-IPC
+        weight transfer engines avoid that copy; see start_weight_update in vLLM's worker.)"""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if type(core).__name__.startswith("Inproc"):
+            return named
+        from safetensors.torch import save
+
+        return save(dict(named))
+
     def update_policy(self, weights: Any) -> None:
         """New policy weights in place: a Transformer, a state dict (HF names) or a folder (from disk).
 
@@ -369,7 +402,7 @@ class VllmRolloutEngine:
         else:
             tied = isinstance(weights, torch.nn.Module) and getattr(weights.config, "tie_word_embeddings", False)
             named = _named_tensors(weights, skip=lambda n: tied and n == "lm_head.weight")
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            self.llm.collective_rpc("tlt_load_policy_weights", args=(self._payload(named),))
         self.llm.reset_prefix_cache()
 
     def update_drafter(self, weights: Any) -> None:
@@ -385,7 +418,7 @@ class VllmRolloutEngine:
                 state.update(load_file(str(f)))
             weights = state
         named = _named_tensors(weights, skip=lambda n: "embed_tokens" in n or n.startswith("lm_head"))
-        self.llm.collective_rpc("tlt_load_draft_weights", args=(named,))
+        self.llm.collective_rpc("tlt_load_draft_weights", args=(self._payload(named),))
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
