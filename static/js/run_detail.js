@@ -24,7 +24,8 @@
   function layout(title, extra) {
     var base = {
       title: { text: title, font: { size: 14 } }, margin: { t: 44, r: 40, b: 70, l: 50 },
-      legend: { orientation: "h", y: -0.3 }, xaxis: { title: { text: "step" } }, font: { size: 11 }
+      legend: { orientation: "h", y: -0.3 }, font: { size: 11 },
+      xaxis: { title: { text: "step" }, dtick: steps.length <= 12 ? 1 : undefined }  // whole steps only
     };
     return Object.assign(base, extra || {});
   }

@@ -96,3 +96,49 @@ def test_a_tiny_run_launched_from_the_form_finishes_with_metrics_and_a_drafter(c
     assert hashlib.sha256(data).hexdigest() == drafter.sha256
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
     assert any(n.endswith("config.json") for n in names) and any(n.endswith("model.safetensors") for n in names)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not (ROOT / "workers/tlt/train.py").exists(), reason="the trainer (workers/tlt/train.py) is not there yet")
+def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled(
+    celery_worker_proc, alice_team, live_server, page, screenshots
+):
+    import hashlib
+
+    from tests.web.test_browser import login, trace_points
+    from tltweb.runs import dispatch
+    from tltweb.runs.models import Run
+
+    base = live_server.url
+    login(page, base)
+    page.goto(base + "/runs/new")
+    page.fill("#id_name", "real run")
+    page.fill("#id_config_yaml", tiny_short_yaml())
+    page.click("#launch-form button[type=submit]")
+    page.wait_for_url("**/runs/*/")
+    run = Run.objects.get(name="real run")
+
+    diagnose = lambda: _diagnose(run.id, celery_worker_proc)  # noqa: E731
+    wait_for(lambda: trace_points(page, "chart-reward") >= 1, 300, "the first step on the chart", diagnose)
+    wait_for(lambda: page.query_selector("#run-state .state-succeeded"), 300, "the page to show succeeded", diagnose)
+    page.wait_for_selector("a.download[data-kind=drafter]")
+    assert trace_points(page, "chart-reward") == 2
+    page.screenshot(path=str(screenshots / "real-run-succeeded.png"), full_page=True)
+    with page.expect_download() as download_info:
+        page.click("a.download[data-kind=drafter]")
+    digest = hashlib.sha256(Path(download_info.value.path()).read_bytes()).hexdigest()
+    assert digest in set(run.artifacts.filter(kind="drafter").values_list("sha256", flat=True))
+
+    # Clone, wait until its trainer is running, cancel: the Ray job is stopped, the run cancelled.
+    page.click("text=Clone")
+    page.wait_for_url(lambda url: str(run.id) not in url and "/runs/" in url)
+    clone = Run.objects.get(cloned_from=run)
+    wait_for(lambda: Run.objects.get(pk=clone.pk).state == "running", 300, "the clone to run",
+             lambda: _diagnose(clone.id, celery_worker_proc))
+    page.click("#cancel-button")
+    page.wait_for_selector("#run-state .state-cancelled")
+    client = dispatch.ray_client()
+    wait_for(lambda: dispatch.job_status(client.get_job_info(clone.submission_id)) in ("STOPPED", "SUCCEEDED"), 60,
+             "Ray to stop the clone's job", lambda: _diagnose(clone.id, celery_worker_proc))
+    assert Run.objects.get(pk=clone.pk).state == "cancelled"
+    page.screenshot(path=str(screenshots / "real-run-cancelled.png"), full_page=True)
