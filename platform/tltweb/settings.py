@@ -23,7 +23,10 @@ from tltweb.env import database_from_url, env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parents[2]  # the repository root (platform/tltweb/settings.py)
 VAR_DIR = Path(env_str("TLT_VAR_DIR", str(BASE_DIR / "var")))
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+try:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+except OSError:  # a read-only image: fine as long as nothing below needs var/ (SECRET_KEY set, no sqlite)
+    pass
 
 DEBUG = env_bool("DEBUG", True)
 
