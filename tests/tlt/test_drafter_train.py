@@ -1,0 +1,185 @@
+"""Online drafter buffer, the EAGLE loss, preemptible training, checkpoints and averaging."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from workers.tlt.buffer import DrafterBuffer
+from workers.tlt.config import DrafterSection, ModelSection
+from workers.tlt.drafter import Drafter
+from workers.tlt.drafter_train import DrafterTrainer, average_state_dicts, drafter_loss
+from workers.tlt.sft import build_tiny_model
+
+SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+H = SMALL.hidden_size
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models are dominated by per-op overhead: one thread is faster and steadier on a busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rec(n: int, seed: int = 0, h: int = H) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 18, (n,), generator=g), torch.randn(n, h, generator=g)
+
+
+@pytest.fixture
+def target():
+    model = build_tiny_model(SMALL, vocab_size=18, bos_id=1, eos_id=2, seed=1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def harvested_buffer(target, n: int = 12) -> DrafterBuffer:
+    """Real target hidden states of random sequences (the drafter can learn these)."""
+    buf = DrafterBuffer(10_000)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i in range(n):
+            L = 12 + 3 * (i % 5)
+            toks = torch.randint(4, 18, (L,), generator=g)
+            buf.add(toks, target(toks[None]).hidden[0], response_start=4, step=0)
+    return buf
+
+
+# --- buffer -------------------------------------------------------------------------------------
+
+def test_the_buffer_keeps_whole_responses_and_stores_hidden_as_float16():
+    buf = DrafterBuffer(1000)
+    toks, hid = rec(300)
+    assert buf.add(toks, hid, response_start=10, step=1)
+    assert len(buf.records[0]) == 300 and buf.records[0].hidden.dtype == torch.float16
+    assert buf.num_tokens == 300
+
+
+def test_eviction_drops_older_steps_first_and_the_shortest_within_a_step():
+    buf = DrafterBuffer(100)
+    for n, step in [(30, 1), (10, 1), (20, 1), (25, 2)]:
+        buf.add(*rec(n), response_start=2, step=step)
+    assert buf.num_tokens == 85
+    buf.add(*rec(40), response_start=2, step=2)  # 125 > 100: evict step 1's shortest (10), then 20
+    assert sorted((r.step, len(r)) for r in buf.records) == [(1, 30), (2, 25), (2, 40)]
+    assert buf.num_tokens == 95 and buf.evicted == 2
+    assert not buf.add(*rec(101), response_start=2, step=3)  # longer than the whole budget
+    assert buf.stats()["refused"] == 1
+
+
+def test_batches_are_padded_within_budget_with_a_mask_on_response_positions():
+    buf = DrafterBuffer(10_000)
+    for i, n in enumerate([5, 9, 7, 30]):
+        buf.add(*rec(n, i), response_start=3, step=0)
+    batches = list(buf.batches(batch_tokens=20, rng=random.Random(0)))
+    assert sum(b.tokens.shape[0] for b in batches) == 4
+    for b in batches:
+        assert b.tokens.shape[0] == 1 or b.tokens.numel() <= 20
+        for row in range(b.tokens.shape[0]):
+            L = int(b.lengths[row])
+            # position i has a loss when h_{i+1} is a response state: i in [response_start - 1, L - 2]
+            assert b.mask[row].nonzero().flatten().tolist() == list(range(2, L - 1))
+    assert sum(b.num_loss_tokens for b in batches) == buf.trainable_tokens == (5 + 9 + 7 + 30) - 4 * 3
+
+
+def test_the_buffer_survives_a_state_dict_round_trip():
+    buf = DrafterBuffer(500)
+    for i in range(3):
+        buf.add(*rec(10 + i, i), response_start=4, step=i)
+    again = DrafterBuffer.from_state_dict(buf.state_dict())
+    assert again.num_tokens == buf.num_tokens and again.max_tokens == 500
+    for a, b in zip(buf.records, again.records):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden) and a.step == b.step
+
+
+# --- loss and training --------------------------------------------------------------------------
+
+def test_the_loss_is_masked_and_never_writes_gradients_into_the_target(target):
+    target.lm_head.weight.requires_grad_(True)  # even a trainable policy in the same process
+    drafter = Drafter.for_target(target)
+    batch = next(harvested_buffer(target).batches(4096))
+    loss, m = drafter_loss(drafter, batch)
+    loss.backward()
+    assert target.lm_head.weight.grad is None
+    assert drafter.fc.weight.grad is not None
+    assert m["tokens"] == batch.num_loss_tokens and 0.0 <= m["accuracy"] <= 1.0
+    # changing a hidden state outside the mask's reach (the padding) changes nothing
+    batch2 = batch._replace(hidden=batch.hidden.clone())
+    batch2.hidden[~torch.arange(batch.tokens.shape[1])[None].lt(batch.lengths[:, None])] = 7.0
+    assert drafter_loss(drafter, batch2)[0].item() == loss.item()
+
+
+def test_training_lowers_the_loss_and_raises_agreement(target):
+    drafter = Drafter.for_target(target)
+    trainer = DrafterTrainer(drafter, DrafterSection(lr=1e-2, batch_tokens=4096))
+    buf = harvested_buffer(target)
+    before = drafter_loss(drafter, next(buf.batches(4096)))[1]
+    assert trainer.train(buf, max_steps=40) == 40
+    after = drafter_loss(drafter, next(buf.batches(4096)))[1]
+    assert after["loss"] < 0.7 * before["loss"]
+    assert after["accuracy"] > before["accuracy"]
+
+
+def test_preemption_applies_only_whole_optimizer_steps(target):
+    buf = harvested_buffer(target)
+    drafter = Drafter.for_target(target)
+    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    trainer = DrafterTrainer(drafter, DrafterSection(batch_tokens=64), accum=2)
+    polls = {"n": 0}
+
+    def stop_after_three_micro_batches() -> bool:
+        polls["n"] += 1
+        return polls["n"] > 3
+
+    ran = trainer.train(buf, max_steps=10, should_stop=stop_after_three_micro_batches)
+    assert ran == 1 and trainer.steps_done == 1  # the 3rd micro-batch's half step was dropped
+    assert all(p.grad is None for p in drafter.parameters())
+    # the weights are exactly one whole step away from the start: replay it without preemption
+    replay = Drafter.for_target(target)
+    replay.load_state_dict(start)
+    t2 = DrafterTrainer(replay, DrafterSection(batch_tokens=64), accum=2)
+    assert t2.train(buf, max_steps=1) == 1
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, replay.state_dict()[k]), k
+    assert trainer.train(buf, max_steps=5, should_stop=lambda: True) == 0
+
+
+def test_state_dict_holds_only_trainable_weights_and_restores_the_optimizer(target):
+    drafter = Drafter.for_target(target)
+    trainer = DrafterTrainer(drafter)
+    buf = harvested_buffer(target)
+    trainer.train(buf, max_steps=2)
+    state = trainer.state_dict()
+    assert set(state["drafter"]) == {k for k, _ in drafter.named_parameters()}
+    assert all(k.startswith(("fc.", "layers.0.")) for k in state["drafter"])
+    other = DrafterTrainer(Drafter.for_target(target, seed=5))
+    other.load_state_dict(state)
+    batch = next(buf.batches(4096, random.Random(1)))
+    a, b = trainer.step(batch), other.step(batch)
+    assert a == b and other.steps_done == 3
+
+
+def test_warmup_trains_on_the_models_own_generations(target):
+    drafter = Drafter.for_target(target)
+    trainer = DrafterTrainer(drafter, DrafterSection(lr=3e-3))
+    prompts = [[1, 4 + i % 10, 5] for i in range(6)]
+    assert trainer.warmup(target, prompts, steps=5, max_new_tokens=12, temperature=1.0) == 5
+    assert trainer.last_metrics["tokens"] > 0
+
+
+def test_average_state_dicts_is_the_elementwise_mean():
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
+    b = {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor(4)}
+    avg = average_state_dicts([a, b])
+    assert torch.equal(avg["w"], torch.tensor([2.0, 4.0])) and int(avg["n"]) == 3
+    assert torch.equal(average_state_dicts([a, b], weights=[3, 1])["w"], torch.tensor([1.5, 3.0]))
+    half = {"w": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}
+    assert average_state_dicts([half, half])["w"].dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        average_state_dicts([a, {"w": a["w"]}])

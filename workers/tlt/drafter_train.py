@@ -1,0 +1,241 @@
+"""Drafter training: the EAGLE loss, a preemptible trainer, offline warm-up, parameter averaging.
+
+    trainer = DrafterTrainer(Drafter.for_target(policy), cfg.drafter)
+    trainer.warmup(policy, prompt_ids, steps=200)              # before RL: the model's own outputs
+    ran = trainer.train(buffer, max_steps=50, should_stop=rollout_finished.is_set)   # spot training
+    ckpt = trainer.state_dict()                                 # trainable weights + optimizer only
+    merged = average_state_dicts([t.drafter_state() for t in trainers])   # one drafter for all
+
+Loss at every position i whose next state h_{i+1} is a response position (buffer mask):
+
+    pred   = drafter(h_i, x_{i+1})                                          # ~ h_{i+1}
+    loss   = w_h * SmoothL1(pred, h_{i+1})                                  # w_h = 1.0
+           + w_t * CE(softmax(lm_head(h_{i+1})), log_softmax(lm_head(pred)))  # w_t = 0.1, soft labels
+
+averaged over the masked positions (SmoothL1 also over the H features). The target's embedding and
+LM head are used frozen: their weights are detached here, so training the drafter never writes
+gradients into a policy that shares the process.
+
+Preemption: `train` checks `should_stop()` before every micro-batch. An optimizer step is applied
+only after all of its `accum` micro-batches; a stop in between discards the partial gradients, so
+the weights are always those of a whole number of steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .buffer import Batch, DrafterBuffer
+from .config import DrafterSection
+from .drafter import Drafter
+from .model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+def _frozen_logits(drafter: Drafter, h: Tensor) -> Tensor:
+    """drafter.logits(h) with the LM head detached (same numbers, no gradient into the target)."""
+    return F.linear(h, drafter.target.lm_head.weight.detach())
+
+
+def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0,
+                 token_weight: float = 0.1) -> tuple[Tensor, dict[str, float]]:
+    """The EAGLE loss on the masked positions of `batch`; returns (loss, metrics)."""
+    dtype = drafter.fc.weight.dtype
+    device = drafter.fc.weight.device
+    hidden = batch.hidden.to(device=device, dtype=dtype)  # [B, T, H]
+    tokens = batch.tokens.to(device)
+    mask = batch.mask[:, :-1].to(device)  # [B, T-1]: position i predicts h_{i+1}
+    pred = drafter(hidden[:, :-1], tokens[:, 1:])  # [B, T-1, H]
+    pred_m = pred[mask]  # [N, H]
+    true_m = hidden[:, 1:][mask]  # [N, H]
+    n = pred_m.shape[0]
+    if n == 0:
+        zero = pred.sum() * 0.0
+        return zero, {"loss": 0.0, "hidden_loss": 0.0, "token_loss": 0.0, "accuracy": 0.0, "tokens": 0}
+    hidden_loss = F.smooth_l1_loss(pred_m.float(), true_m.float())
+    with torch.no_grad():
+        target_logits = _frozen_logits(drafter, true_m).float()
+        target_p = torch.softmax(target_logits, dim=-1)
+    pred_logits = _frozen_logits(drafter, pred_m).float()
+    token_loss = -(target_p * torch.log_softmax(pred_logits, dim=-1)).sum(-1).mean()
+    loss = hidden_weight * hidden_loss + token_weight * token_loss
+    with torch.no_grad():
+        acc = (pred_logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    return loss, {"loss": float(loss.detach()), "hidden_loss": float(hidden_loss.detach()),
+                  "token_loss": float(token_loss.detach()),
+                  "accuracy": float(acc), "tokens": n}
+
+
+class DrafterTrainer:
+    """AdamW on the drafter's trainable weights (fc.*, layers.0.*), preemptible between micro-batches."""
+
+    def __init__(self, drafter: Drafter, cfg: DrafterSection | None = None, accum: int = 1,
+                 grad_clip: float = 1.0, weight_decay: float = 0.0, seed: int = 0):
+        self.drafter = drafter
+        self.cfg = cfg or DrafterSection()
+        self.accum = max(1, accum)
+        self.grad_clip = grad_clip
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+        self.steps_done = 0
+        self.last_metrics: dict[str, float] = {}
+        self.rng = random.Random(seed)
+
+    def _loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        return drafter_loss(self.drafter, batch, self.cfg.hidden_loss_weight, self.cfg.token_loss_weight)
+
+    def _apply(self) -> None:
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps_done += 1
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on one batch; returns {loss, accuracy, hidden_loss, token_loss, tokens}."""
+        self.drafter.train()
+        self.opt.zero_grad(set_to_none=True)
+        loss, metrics = self._loss(batch)
+        loss.backward()
+        self._apply()
+        self.last_metrics = metrics
+        return metrics
+
+    def train(self, buffer: DrafterBuffer, max_steps: int, should_stop: Callable[[], bool] = lambda: False,
+              on_step: Callable[[int, dict[str, float]], None] | None = None) -> int:
+        """Up to `max_steps` optimizer steps over the buffer (epochs repeat); returns steps applied.
+
+        `should_stop()` is polled before every micro-batch; when it turns true the trainer returns
+        at once, dropping the gradients of an unfinished step (weights stay whole-step).
+        """
+        if max_steps <= 0 or buffer.trainable_tokens == 0:
+            return 0
+        self.drafter.train()
+        self.opt.zero_grad(set_to_none=True)
+        ran = 0
+        micro = 0
+        acc: list[dict[str, float]] = []
+        while ran < max_steps:
+            for batch in buffer.batches(self.cfg.batch_tokens, self.rng):
+                if should_stop():
+                    self.opt.zero_grad(set_to_none=True)  # a half-accumulated step is discarded
+                    return ran
+                loss, metrics = self._loss(batch)
+                (loss / self.accum).backward()
+                acc.append(metrics)
+                micro += 1
+                if micro % self.accum == 0:
+                    self._apply()
+                    ran += 1
+                    self.last_metrics = _mean_metrics(acc)
+                    acc = []
+                    if on_step is not None:
+                        on_step(self.steps_done, self.last_metrics)
+                    if ran >= max_steps:
+                        break
+        return ran
+
+    @torch.no_grad()
+    def harvest(self, model: Transformer, sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+                buffer: DrafterBuffer, step: int = 0, batch_size: int = 16) -> int:
+        """Run the target over (prompt_ids, response_ids) pairs and add their hidden states to `buffer`."""
+        added = 0
+        model.eval()
+        for i in range(0, len(sequences), batch_size):
+            chunk = sequences[i: i + batch_size]
+            seqs = [list(p) + list(r) for p, r in chunk]
+            T = max(len(s) for s in seqs)
+            x = torch.zeros(len(seqs), T, dtype=torch.long)
+            for b, s in enumerate(seqs):
+                x[b, : len(s)] = torch.tensor(s)
+            hidden = model(x.to(model.device), logits=False).hidden  # [B, T, H]; causal: pads are harmless
+            for b, ((p, _), s) in enumerate(zip(chunk, seqs)):
+                added += buffer.add(s, hidden[b, : len(s)], response_start=len(p), step=step)
+        return added
+
+    def warmup(self, model: Transformer, prompts: Sequence[Sequence[int]], steps: int, max_new_tokens: int = 128,
+               temperature: float = 1.0, seed: int = 0, buffer_tokens: int | None = None,
+               should_stop: Callable[[], bool] = lambda: False, gen_batch: int = 32) -> int:
+        """Offline warm-up: the target answers `prompts`, the drafter learns its hidden states.
+
+        Generation uses the rollout engine (`workers.tlt.sft.fast_generate`); sampling at
+        `temperature` gives the drafter the same kind of text RL rollouts produce. Returns steps run.
+        """
+        from .sft import fast_generate
+
+        t0 = time.monotonic()
+        buffer = DrafterBuffer(buffer_tokens or self.cfg.buffer_tokens)
+        pairs: list[tuple[list[int], list[int]]] = []
+        for i in range(0, len(prompts), gen_batch):
+            chunk = [list(p) for p in prompts[i: i + gen_batch]]
+            responses = fast_generate(model, chunk, max_new_tokens, model.config.eos_ids, temperature=temperature,
+                                      seed=seed + i)
+            pairs.extend(zip(chunk, responses))
+        self.harvest(model, pairs, buffer, step=0)
+        log.info("drafter warm-up: %d sequences, %d tokens generated in %.1f s", len(pairs), buffer.num_tokens,
+                 time.monotonic() - t0)
+        return self.train(buffer, steps, should_stop)
+
+    # --- checkpoints: trainable weights + optimizer only ----------------------------------------
+
+    def drafter_state(self) -> dict[str, Tensor]:
+        """The trainable weights (fc.*, layers.0.*), detached CPU copies."""
+        return {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {"drafter": self.drafter_state(), "optimizer": self.opt.state_dict(), "steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drafter.load_state_dict(state["drafter"], strict=True)
+        if state.get("optimizer") is not None:
+            self.opt.load_state_dict(state["optimizer"])
+        self.steps_done = state.get("steps_done", 0)
+
+
+def _mean_metrics(ms: list[dict[str, float]]) -> dict[str, float]:
+    if len(ms) == 1:
+        return dict(ms[0])
+    tokens = sum(m["tokens"] for m in ms) or 1
+    out = {k: sum(m[k] * m["tokens"] for m in ms) / tokens for k in ms[0] if k != "tokens"}
+    out["tokens"] = tokens
+    return out
+
+
+def average_state_dicts(states: Sequence[dict[str, Tensor]], weights: Sequence[float] | None = None) -> dict[str, Tensor]:
+    """Element-wise (weighted) mean of drafter weight dicts with identical keys and shapes.
+
+    Used to merge the drafters that several idle workers trained from the same start into ONE
+    drafter for the next step. Floating tensors are averaged in float32 and cast back; other
+    tensors are taken from the first dict. Optimizer states are not averaged (each worker keeps its own).
+    """
+    if not states:
+        raise ValueError("nothing to average")
+    keys = set(states[0])
+    for s in states[1:]:
+        if set(s) != keys:
+            raise ValueError(f"state dicts differ in keys: {sorted(keys ^ set(s))[:5]}")
+    w = torch.tensor(list(weights) if weights is not None else [1.0] * len(states), dtype=torch.float32)
+    if w.shape[0] != len(states) or float(w.sum()) <= 0:
+        raise ValueError("need one positive-sum weight per state dict")
+    w = w / w.sum()
+    out: dict[str, Tensor] = {}
+    for k in states[0]:
+        first = states[0][k]
+        if not first.is_floating_point():
+            out[k] = first.clone()
+            continue
+        acc = torch.zeros(first.shape, dtype=torch.float32, device=first.device)
+        for wi, s in zip(w, states):
+            if s[k].shape != first.shape:
+                raise ValueError(f"{k}: shape {tuple(s[k].shape)} != {tuple(first.shape)}")
+            acc += wi * s[k].to(device=first.device, dtype=torch.float32)
+        out[k] = acc.to(first.dtype)
+    return out
