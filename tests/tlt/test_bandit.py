@@ -1,0 +1,58 @@
+"""BEG-MAB: tries every arm per bucket, exploits the best median, keeps buckets apart."""
+
+from workers.tlt.bandit import BucketedBandit
+
+ARMS = ["off", "ngram", "d4k1v4", "d5k3v16"]
+REWARD = {"off": 10.0, "ngram": 12.0, "d4k1v4": 30.0, "d5k3v16": 20.0}
+
+
+def _run(bandit, batch, steps, reward=REWARD):
+    chosen = []
+    for _ in range(steps):
+        arm = bandit.select(batch)
+        bandit.update(batch, arm, reward[arm])
+        chosen.append(arm)
+    return chosen
+
+
+def test_it_tries_every_arm_once_before_exploiting():
+    chosen = _run(BucketedBandit(ARMS, epsilon=0.0), batch=1, steps=len(ARMS))
+    assert sorted(chosen) == sorted(ARMS)
+
+
+def test_epsilon_zero_is_greedy_on_the_best_median():
+    bandit = BucketedBandit(ARMS, epsilon=0.0)
+    chosen = _run(bandit, batch=1, steps=20)
+    assert chosen[len(ARMS):] == ["d4k1v4"] * (20 - len(ARMS))
+
+
+def test_it_converges_to_the_best_arm_while_exploring():
+    bandit = BucketedBandit(ARMS, epsilon=0.2, seed=1)
+    chosen = _run(bandit, batch=3, steps=400)
+    counts = {a: chosen.count(a) for a in ARMS}
+    assert max(counts, key=counts.get) == "d4k1v4"
+    assert all(counts[a] >= 5 for a in ARMS)  # epsilon keeps exploring every arm
+    assert 0.75 < counts["d4k1v4"] / 400 < 0.95
+
+
+def test_the_median_ignores_a_lucky_outlier_and_the_window_forgets():
+    bandit = BucketedBandit(["a", "b"], epsilon=0.0, window=3)
+    for r in (1.0, 1.0, 100.0):
+        bandit.update(1, "a", r)
+    bandit.update(1, "b", 2.0)
+    assert bandit.select(1) == "b"  # median of a is 1
+    for _ in range(3):
+        bandit.update(1, "a", 5.0)  # the window drops the old rewards
+    assert bandit.select(1) == "a"
+
+
+def test_buckets_learn_separately_and_have_readable_labels():
+    bandit = BucketedBandit(ARMS, buckets=[1, 4, 20], epsilon=0.0)
+    _run(bandit, batch=1, steps=10)
+    _run(bandit, batch=16, steps=10, reward={**REWARD, "off": 50.0})  # at batch 16 SD does not pay
+    assert bandit.best(1) == "d4k1v4"
+    assert bandit.best(16) == "off"
+    assert bandit.best(3) == "off"  # bucket 2-4 has no rewards yet: ties go to the first arm
+    assert [bandit.label(bandit.bucket(b)) for b in (1, 2, 4, 5, 20, 21, 500)] == ["1", "2-4", "2-4", "5-20", "5-20",
+                                                                                     "21+", "21+"]
+    assert set(bandit.medians()) == {"1", "5-20"} | {"2-4", "21+"}

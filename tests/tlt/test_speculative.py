@@ -1,0 +1,199 @@
+"""Drafting and verification pieces: exact losslessness of the acceptance rules, tree masks, drafter catch-up."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from workers.tlt.drafter import Drafter
+from workers.tlt.model import ModelConfig, Transformer, causal_mask, init_weights
+from workers.tlt.sampling import SamplingParams, process, sample
+from workers.tlt.speculative import (Tree, accept_prob, ancestors, catch_up, chain_rule, chain_tree, draft,
+                                     ngram_propose, residual, tree_mask, walk)
+
+V = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: OpenMP hand-offs cost more than the math, and collapse on a busy machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _target_table(seed: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """An explicit target: p(. | prefix) for every prefix of length <= 3 over a 4-token vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return {pre: _norm(torch.rand(V, generator=g) ** 3) for n in range(4) for pre in itertools.product(range(V), repeat=n)}
+
+
+def _norm(x):
+    return x / x.sum()
+
+
+def _joint(table, horizon=3) -> dict[tuple[int, ...], float]:
+    out = {}
+    for seq in itertools.product(range(V), repeat=horizon):
+        p = 1.0
+        for i, x in enumerate(seq):
+            p *= float(table[seq[:i]][x])
+        out[seq] = p
+    return out
+
+
+def _extend(table, prefix: tuple[int, ...], prob: float, acc: dict, horizon=3) -> None:
+    """Continue an emitted prefix with the target itself up to `horizon` tokens (exactly)."""
+    if len(prefix) >= horizon:
+        acc[prefix[:horizon]] = acc.get(prefix[:horizon], 0.0) + prob
+        return
+    for x in range(V):
+        _extend(table, prefix + (x,), prob * float(table[prefix][x]), acc, horizon)
+
+
+def test_chain_speculative_sampling_rule_is_exactly_the_target_law():
+    # enumerate drafts d1 ~ q1, d2 ~ q2(.|d1), the accept/reject coin of each and the residual draw,
+    # using the same accept_prob/residual the engine uses; the emitted law must equal p exactly
+    p = _target_table(0)
+    q = _target_table(1)
+    acc: dict = {}
+    for d1, d2 in itertools.product(range(V), repeat=2):
+        w = float(q[()][d1] * q[(d1,)][d2])
+        a1 = float(accept_prob(p[()][d1], q[()][d1]))
+        r1 = residual(p[()], q[()])
+        for x in range(V):  # rejected at position 1: emit x ~ residual
+            _extend(p, (x,), w * (1 - a1) * float(r1[x]), acc)
+        a2 = float(accept_prob(p[(d1,)][d2], q[(d1,)][d2]))
+        r2 = residual(p[(d1,)], q[(d1,)])
+        for x in range(V):  # accepted d1, rejected d2
+            _extend(p, (d1, x), w * a1 * (1 - a2) * float(r2[x]), acc)
+        for x in range(V):  # both accepted: bonus token from p
+            _extend(p, (d1, d2, x), w * a1 * a2 * float(p[(d1, d2)][x]), acc)
+    ref = _joint(p)
+    assert max(abs(acc[s] - ref[s]) for s in ref) < 1e-6
+
+
+def test_tree_walk_is_exactly_the_target_law():
+    # tree: root -> {a=0, b=2}, a -> {c=1}; every node draws y ~ p(. | its path); enumerate all y
+    p = _target_table(2)
+    tokens = torch.tensor([[3, 0, 2, 1]])
+    parent = torch.tensor([[-1, 0, 0, 1]])
+    depth = torch.tensor([[0, 1, 1, 2]])
+    prefixes = [(), (0,), (2,), (0, 1)]
+    combos = list(itertools.product(range(V), repeat=4))
+    B = len(combos)
+    tree = Tree(tokens.expand(B, 4), parent.expand(B, 4), depth.expand(B, 4), torch.ones(B, 4, dtype=torch.bool), 2,
+                False)
+    y = torch.tensor(combos)
+    path, n_acc, nxt = walk(tree, y)
+    acc: dict = {}
+    for b, ys in enumerate(combos):
+        w = 1.0
+        for pre, yy in zip(prefixes, ys):
+            w *= float(p[pre][yy])
+        emitted = tuple(int(tokens[0, path[b, j]]) for j in range(1, int(n_acc[b]) + 1)) + (int(nxt[b]),)
+        _extend(p, emitted, w, acc)
+    ref = _joint(p)
+    assert max(abs(acc[s] - ref[s]) for s in ref) < 1e-6
+
+
+def test_chain_rule_function_samples_the_target_law():
+    # the vectorised chain_rule itself, on 200k rows of one explicit 2-token draft problem
+    p, q = _target_table(3), _target_table(4)
+    g = torch.Generator().manual_seed(0)
+    B = 200_000
+    d1 = sample(q[()].expand(B, V), g)
+    q2 = torch.stack([q[(i,)] for i in range(V)])[d1]
+    d2 = sample(q2, g)
+    P = torch.stack([p[()].expand(B, V), torch.stack([p[(i,)] for i in range(V)])[d1],
+                     torch.stack([torch.stack([p[(i, j)] for j in range(V)]) for i in range(V)])[d1, d2]], 1)
+    ar = torch.arange(3).expand(B, 3)
+    tree = Tree(torch.stack([torch.zeros(B, dtype=torch.long), d1, d2], 1), ar - 1, ar,
+                torch.ones(B, 3, dtype=torch.bool), 2, True, torch.stack([q[()].expand(B, V), q2], 1))
+    _, n_acc, nxt = chain_rule(tree, P, g)
+    first = torch.where(n_acc > 0, d1, nxt)
+    freq = torch.bincount(first, minlength=V).float() / B
+    assert (freq - p[()]).abs().max() < 0.005  # ~4.5 sigma at B=200k
+    assert 0 < (n_acc == 0).float().mean() < 1 and (n_acc == 2).any()
+
+
+def test_processed_distribution_applies_temperature_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    assert torch.equal(process(logits, SamplingParams(temperature=0)), torch.tensor([[1.0, 0, 0, 0, 0]]))
+    assert torch.allclose(process(logits, SamplingParams(temperature=2.0)), (logits / 2).softmax(-1))
+    top2 = process(logits, SamplingParams(top_k=2))
+    assert torch.allclose(top2, torch.cat([logits[:, :2].softmax(-1), torch.zeros(1, 3)], 1))
+    full = logits.softmax(-1)[0]
+    nucleus = process(logits, SamplingParams(top_p=float(full[0] + full[1] * 0.5)))
+    assert (nucleus[0, 2:] == 0).all() and torch.allclose(nucleus[0, :2], full[:2] / full[:2].sum())
+
+
+def _tiny(seed=0, vocab=48):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = Transformer(cfg)
+    init_weights(m, 0.3)
+    return m.eval()
+
+
+@torch.inference_mode()
+def test_tree_verify_logits_equal_sequential_forward_of_each_path():
+    model = _tiny()
+    drafter = Drafter.for_target(model)
+    B, L = 2, 40
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([7, 4])
+    seq = torch.randint(0, 48, (B, L), generator=g)
+    cache, dcache = model.new_cache(B, L), drafter.new_cache(B, L)
+    out = model(seq[:, :7], torch.arange(7).expand(B, 7), cache, mask=causal_mask(cache.lengths, 7, 7))
+    hid = torch.zeros(B, L, 32)
+    hid[:, :7] = out.hidden
+    cache.lengths = lens.clone()
+    tree = draft(drafter, dcache, hid, seq, lens, 7, depth=3, topk=2, verify=6, params=SamplingParams(0),
+                 generator=None, sample_chain=False)
+    assert not torch.equal(tree.parent[:, 1:], torch.arange(6).expand(B, 6))  # a real tree, not a chain
+    T = tree.tokens.shape[1]
+    got = model(tree.tokens, lens[:, None] + tree.depth, cache, write_pos=lens[:, None] + torch.arange(T),
+                mask=tree_mask(lens, ancestors(tree), 7 + T)).logits
+    for b in range(B):
+        for i in range(T):
+            path, node = [], i
+            while node >= 0:
+                path.append(int(tree.tokens[b, node]))
+                node = int(tree.parent[b, node])
+            ref = model(torch.cat([seq[b, :int(lens[b])], torch.tensor(path[::-1])])[None]).logits[0, -1]
+            assert torch.allclose(got[b, i], ref, atol=1e-4), (b, i)
+
+
+@torch.inference_mode()
+def test_catch_up_fills_the_drafter_cache_from_true_states_only():
+    model = _tiny(1)
+    drafter = Drafter.for_target(model, seed=3)
+    B, L = 3, 32
+    seq = torch.randint(0, 48, (B, L), generator=torch.Generator().manual_seed(1))
+    hid = torch.randn(B, L, 32, generator=torch.Generator().manual_seed(2))
+    dcache = drafter.new_cache(B, L)
+    lengths = torch.tensor([9, 5, 12])
+    catch_up(drafter, dcache, hid, seq, torch.tensor([3, 5, 2]))  # ragged earlier state
+    dcache.k[0][:, 12:] = 99.0  # garbage past every row's length must not matter
+    h = catch_up(drafter, dcache, hid, seq, lengths)
+    for b in range(B):
+        n = int(lengths[b])
+        ref = drafter(hid[b:b + 1, :n], seq[b:b + 1, 1:n + 1])
+        assert torch.allclose(h[b], ref[0, -1], atol=1e-5)
+        fresh = drafter.new_cache(1, L)
+        drafter(hid[b:b + 1, :n], seq[b:b + 1, 1:n + 1], cache=fresh, mask=causal_mask(fresh.lengths, n, n))
+        assert torch.allclose(dcache.k[0][b, :n], fresh.k[0][0, :n], atol=1e-5)
+    assert torch.equal(dcache.lengths, lengths)
+
+
+def test_ngram_drafter_continues_the_longest_match_in_own_text_then_siblings():
+    assert ngram_propose([5, 1, 2, 3, 9, 9, 1, 2, 3], [], 3, 4) == [9, 9, 1, 2]
+    assert ngram_propose([7, 8, 4], [np.array([1, 7, 8, 4, 6, 6])], 3, 4) == [6, 6]
+    assert ngram_propose([7, 8, 4], [np.array([1, 2])], 3, 4) == []
+    tree = chain_tree(torch.tensor([4, 5]), [[1, 2, 3], []], 6)
+    assert tree.tokens.tolist() == [[4, 1, 2, 3], [5, 0, 0, 0]]
+    assert tree.valid.tolist() == [[True] * 4, [True, False, False, False]]

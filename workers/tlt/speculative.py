@@ -1,0 +1,363 @@
+"""Speculative decoding pieces: drafting (EAGLE chain/tree, n-gram) and lossless verification.
+
+rollout.py owns the loop; this module holds the parts it calls once per verify pass:
+
+    tree = draft(drafter, dcache, hid, seq, lengths, s_max, depth=4, topk=1, verify=4, ...)
+    anc = ancestors(tree)                                   # [B, T, T]
+    mask = tree_mask(lengths, anc, s_max + T)               # cache prefix + own ancestors
+    ... target forward over tree.tokens ...
+    path, n_acc, nxt = walk(tree, y, stats)                 # or chain_rule(tree, p, ...)
+
+A draft is a `Tree` rooted at each row's *pending* token: the token already emitted at cache
+position n = cache.lengths[b] but not yet fed to the target. A plain decode step is the tree with
+only the root, so one verification routine serves plain decoding, chains and trees.
+
+Drafter state. The drafter's KV cache holds entries computed from the target's TRUE hidden states:
+pair (h_i, x_{i+1}) at drafter position i, for i < dcache.lengths[b]. Before drafting, `catch_up`
+feeds every pair the drafter has not seen yet (the positions accepted by the last verify pass, or
+all positions decoded while SD was off) in one batched call, reading the hidden states the rollout
+harvests anyway. Its last pair (h_{n-1}, x_n) predicts the first draft token. So switching SD
+off costs nothing per step and switching it on needs no target re-prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .model import KVCache
+from .sampling import SamplingParams, process, sample
+
+
+class Tree(NamedTuple):
+    tokens: Tensor  # [B, T] node tokens; node 0 is the row's pending token
+    parent: Tensor  # [B, T] parent node index; -1 for the root and for padding nodes
+    depth: Tensor  # [B, T] distance from the root (rope position = n + depth)
+    valid: Tensor  # [B, T] False for padding (rows whose draft is shorter)
+    max_depth: int  # deepest level any row may have
+    chain: bool  # node j sits at depth j under node j-1: accepted paths need no KV compaction
+    q: Tensor | None = None  # [B, D, V] drafter distribution node j+1 was SAMPLED from (sampled chains)
+
+
+@dataclass
+class SpecStats:
+    """Per-rollout acceptance counters, kept on the device so the hot loop never syncs for them."""
+
+    max_depth: int
+    device: torch.device
+    attempted: Tensor = field(init=False)  # [D] row-passes that had a candidate at draft position j+1
+    accepted: Tensor = field(init=False)  # [D] row-passes that accepted draft position j+1
+    hist: Tensor = field(init=False)  # [D + 1] row-passes by number of accepted draft tokens
+
+    def __post_init__(self) -> None:
+        self.attempted = torch.zeros(self.max_depth, dtype=torch.long, device=self.device)
+        self.accepted = torch.zeros(self.max_depth, dtype=torch.long, device=self.device)
+        self.hist = torch.zeros(self.max_depth + 1, dtype=torch.long, device=self.device)
+
+
+def root_tree(roots: Tensor) -> Tree:
+    """The draft-free tree: a plain decode step of the pending tokens roots [B]."""
+    B = roots.shape[0]
+    z = torch.zeros(B, 1, dtype=torch.long, device=roots.device)
+    return Tree(roots[:, None], z - 1, z, torch.ones(B, 1, dtype=torch.bool, device=roots.device), 0, True)
+
+
+def ancestors(tree: Tree) -> Tensor:
+    """anc[b, i, j]: node j is node i or one of its ancestors. Nodes come in topological order."""
+    B, T = tree.tokens.shape
+    dev = tree.tokens.device
+    eye = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T)
+    if tree.chain:
+        # valid nodes of a chain form a prefix: node i sees nodes 0..i; a padding node sees itself
+        return torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev)) & tree.valid[:, :, None] | eye
+    anc = eye.clone()
+    rows = torch.arange(B, device=dev)
+    for i in range(1, T):
+        par = tree.parent[:, i]
+        anc[:, i] |= anc[rows, par.clamp(min=0)] & (par >= 0)[:, None]
+    return anc
+
+
+def tree_mask(lengths: Tensor, anc: Tensor, S: int) -> Tensor:
+    """[B, T, S] attention mask for tree nodes written at cache slots n..n+T-1 (n = lengths[b]).
+
+    Node i sees the row's cache prefix (keys < n) and the slots of its ancestors and itself.
+    """
+    B, T, _ = anc.shape
+    keys = torch.arange(S, device=lengths.device)
+    prefix = keys[None, :] < lengths[:, None]  # [B, S]
+    rel = keys[None, :] - lengths[:, None]  # slot offset inside the tree region
+    inside = (rel >= 0) & (rel < T)
+    tree = anc.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & inside[:, None, :]
+    return prefix[:, None, :] | tree
+
+
+# --- the drafter ---------------------------------------------------------------------------------
+
+def catch_up(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor) -> Tensor:
+    """Feed the drafter every pair (h_i, x_{i+1}) it has not seen, i in [dcache.lengths, lengths).
+
+    hid: [B, L, H] true target hidden states, seq: [B, L] tokens (seq[b, n] = pending token).
+    Rows are right-padded to the longest gap; padded queries write past the row's length, where
+    entries are garbage by contract. Returns the drafter output of each row's last pair
+    (h_{n-1}, x_n) -> [B, H], whose logits propose the token after the pending one.
+    Afterwards dcache.lengths == lengths: every cached drafter entry came from true states.
+    """
+    B = lengths.shape[0]
+    rows = torch.arange(B, device=lengths.device)
+    start = torch.minimum(dcache.lengths, lengths - 1)  # >= 1 pair per row (finished rows redo their last)
+    count = lengths - start
+    T = int(count.max())
+    i = start[:, None] + torch.arange(T, device=lengths.device)  # [B, T] drafter positions
+    src = torch.minimum(i, (lengths - 1)[:, None])
+    h = hid[rows[:, None], src]  # [B, T, H]
+    x = seq[rows[:, None], src + 1]  # [B, T]
+    dcache.lengths = start
+    out = drafter(h, x, positions=i, cache=dcache, write_pos=i.clamp(max=dcache.max_len - 1),
+                  mask=_causal(start, T, int(start.max()) + T))
+    dcache.lengths = lengths.clone()
+    return out[rows, count - 1]
+
+
+def _causal(lengths: Tensor, T: int, S: int) -> Tensor:
+    keys = torch.arange(S, device=lengths.device)
+    limit = lengths[:, None] + torch.arange(T, device=lengths.device)[None, :] + 1
+    return keys[None, None, :] < limit[:, :, None]
+
+
+def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s_max: int, *,
+          depth: int, topk: int, verify: int, params: SamplingParams, generator: torch.Generator | None,
+          sample_chain: bool) -> Tree:
+    """Draft a chain (topk == 1) or a tree for every row; s_max = max(lengths) as a host int.
+
+    Chain: depth drafter steps, each token the drafter's argmax, or (sample_chain) a draw from its
+    processed distribution q, kept for the speculative sampling rule.
+    Tree (EAGLE-2 style dynamic tree): level 1 = the top-k tokens after the root; each further
+    level expands the k best frontier nodes (by cumulative drafter log-prob) into k children each;
+    finally the `verify` best candidates over all levels are kept. A child's score is below its
+    parent's, so the kept set is closed under ancestors. Drafter slots of the tree region start at
+    n; they are garbage after the pass (the next catch_up rewrites them from true states).
+    """
+    B = lengths.shape[0]
+    dev = lengths.device
+    rows = torch.arange(B, device=dev)
+    h = catch_up(drafter, dcache, hid, seq, lengths)  # [B, H]
+    root = seq[rows, lengths]
+    logits = drafter.logits(h)  # [B, V]
+
+    if topk == 1:
+        toks, qs = [], []
+        x = h[:, None]
+        for level in range(1, depth + 1):
+            if level > 1:
+                pos = (lengths + level - 2)[:, None]  # drafter position of the previous draft token
+                x = drafter(x, tok[:, None], positions=pos, cache=dcache, write_pos=pos,
+                            mask=_causal(pos[:, 0], 1, s_max + level - 1))
+                logits = drafter.logits(x[:, 0])
+            if sample_chain:
+                q = process(logits, params)
+                tok = sample(q, generator)
+                qs.append(q)
+            else:
+                tok = logits.argmax(-1)
+            toks.append(tok)
+        tokens = torch.stack([root] + toks, 1)  # [B, D + 1]
+        ar = torch.arange(depth + 1, device=dev).expand(B, -1)
+        return Tree(tokens, ar - 1, ar, torch.ones_like(tokens, dtype=torch.bool), depth, True,
+                    torch.stack(qs, 1) if sample_chain else None)
+
+    K = topk
+    R = max(1, (depth - 1) * K)  # drafter slots of the tree region
+    H = h.shape[-1]
+    score, tok = torch.log_softmax(logits.float(), -1).topk(K, -1)  # [B, K]
+    pool_tok, pool_score = [tok], [score]
+    pool_par = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
+    pool_dep = [torch.ones(B, K, dtype=torch.long, device=dev)]
+    front = torch.arange(K, device=dev).expand(B, K)  # pool indices of the frontier
+    ph = h[:, None].expand(B, K, H)  # drafter input state of each frontier node (its parent's output)
+    anc = torch.zeros(B, K, R, dtype=torch.bool, device=dev)
+    anc[:, torch.arange(K), torch.arange(K)] = True  # level-1 nodes occupy slots 0..K-1
+    offset = K
+    keys = torch.arange(s_max + R, device=dev)
+    rel = keys[None, :] - lengths[:, None]  # [B, S]
+    inside = (rel >= 0) & (rel < R)
+    prefix = (keys[None, :] < lengths[:, None])[:, None, :]
+    for level in range(2, depth + 1):
+        slot0 = (level - 2) * K
+        pos = (lengths + level - 2)[:, None].expand(B, K)
+        wp = lengths[:, None] + slot0 + torch.arange(K, device=dev)
+        mask = prefix | (anc.gather(2, rel.clamp(0, R - 1)[:, None, :].expand(B, K, -1)) & inside[:, None, :])
+        out = drafter(ph, tok, positions=pos, cache=dcache, write_pos=wp, mask=mask)  # [B, K, H]
+        v, t = torch.log_softmax(drafter.logits(out).float(), -1).topk(K, -1)  # [B, K, K]
+        cs = (score[:, :, None] + v).flatten(1)  # [B, K*K] cumulative log-prob of each child
+        ct = t.flatten(1)
+        pool_tok.append(ct)
+        pool_score.append(cs)
+        pool_par.append(front[:, :, None].expand(B, K, K).flatten(1))
+        pool_dep.append(torch.full((B, K * K), level, dtype=torch.long, device=dev))
+        if level < depth:
+            score, sel = cs.topk(K, -1)
+            tok = ct.gather(1, sel)
+            par_k = sel // K
+            front = offset + sel
+            ph = out.gather(1, par_k[..., None].expand(B, K, H))
+            anc = anc.gather(1, par_k[..., None].expand(B, K, R)).clone()
+            anc[:, torch.arange(K), (level - 1) * K + torch.arange(K)] = True
+        offset += K * K
+
+    ptok, pscore = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)
+    ppar, pdep = torch.cat(pool_par, 1), torch.cat(pool_dep, 1)
+    M = ptok.shape[1]
+    if M > verify:
+        # depth penalty: a child never outranks its parent, even when their scores round equal
+        sel = (pscore - 1e-3 * pdep).topk(verify, -1).indices.sort(1).values  # pool order = level order
+    else:
+        sel = torch.arange(M, device=dev).expand(B, M)
+    N = sel.shape[1]
+    table = torch.zeros(B, M + 1, dtype=torch.long, device=dev)  # pool index + 1 -> node index
+    table.scatter_(1, sel + 1, torch.arange(1, N + 1, device=dev).expand(B, N))
+    parent = table.gather(1, ppar.gather(1, sel) + 1)
+    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    tokens = torch.cat([root[:, None], ptok.gather(1, sel)], 1)
+    return Tree(tokens, torch.cat([zero - 1, parent], 1), torch.cat([zero, pdep.gather(1, sel)], 1),
+                torch.ones_like(tokens, dtype=torch.bool), depth, False)
+
+
+# --- the n-gram drafter ----------------------------------------------------------------------------
+
+def ngram_propose(context: Sequence[int], others: Sequence[np.ndarray], n_max: int, depth: int) -> list[int]:
+    """Continue `context` by matching its last n tokens (n = n_max..1, longest first).
+
+    Looks in the context itself (latest earlier occurrence) and then in `others` (sibling
+    sequences of the same prompt); returns up to `depth` tokens that followed the match.
+    """
+    ctx = np.asarray(context, dtype=np.int64)
+    for n in range(min(n_max, len(ctx) - 1), 0, -1):
+        pat = ctx[-n:]
+        own = ctx[:-1]  # a match must end before the last token, so a continuation exists
+        if len(own) >= n:
+            hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(own, n) == pat).all(1))
+            if len(hits):
+                i = hits[-1] + n
+                return ctx[i:i + depth].tolist()
+        for seq in others:
+            if len(seq) <= n:
+                continue
+            hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(seq[:-1], n) == pat).all(1))
+            if len(hits):
+                i = hits[0] + n
+                return seq[i:i + depth].tolist()
+    return []
+
+
+def chain_tree(roots: Tensor, proposals: list[list[int]], depth: int) -> Tree:
+    """A chain tree from per-row proposals of varying length (shorter rows padded, invalid)."""
+    B = roots.shape[0]
+    dev = roots.device
+    D = max(1, min(depth, max((len(p) for p in proposals), default=0)))
+    toks = torch.zeros(B, D + 1, dtype=torch.long)
+    valid = torch.zeros(B, D + 1, dtype=torch.bool)
+    for b, p in enumerate(proposals):
+        p = p[:D]
+        toks[b, 1:1 + len(p)] = torch.tensor(p, dtype=torch.long)
+        valid[b, :1 + len(p)] = True
+    toks, valid = toks.to(dev), valid.to(dev)
+    toks[:, 0] = roots
+    ar = torch.arange(D + 1, device=dev).expand(B, -1)
+    parent = torch.where(valid, ar - 1, torch.full_like(ar, -1))
+    return Tree(toks, parent, ar, valid, D, True)
+
+
+# --- lossless verification -------------------------------------------------------------------------
+
+def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Accept the drafted path that agrees with the target's own choices.
+
+    y: [B, T] the target's token at every node: its argmax (greedy) or ONE draw from the processed
+    target distribution p at that node (sampling). Starting at the root, descend to the child whose
+    token equals y[node]; stop when no child matches and emit y[node].
+
+    Lossless: at each node the emitted/accepted token is y[node] ~ p(. | path so far), exactly as
+    plain decoding would draw it; drafted candidates only decide how far one pass gets. For
+    deterministic candidates (top-k tree children, n-gram chains) this is the same law as the
+    multi-candidate rule "try candidates c_1..c_k in order, accept c_i with probability
+    p(c_i) / (1 - sum_{j<i} p(c_j)), else sample from p with c_1..c_k removed, renormalised":
+    both give P(c_i) = p(c_i) and P(x) = p(x) for every other x. For an n-gram chain it is the
+    speculative sampling rule with q = one-hot(draft): accept with prob min(1, p(x)/1) = p(x),
+    else sample from norm(max(p - onehot, 0)) = p without x. Greedy: accept while the draft equals
+    the argmax, then emit the argmax.
+
+    Returns path [B, D+1] (node index at each accepted depth; repeats the last node past n_acc),
+    n_acc [B] (draft tokens accepted) and nxt [B] (the token emitted after them).
+    """
+    B = y.shape[0]
+    dev = y.device
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    path = [cur]
+    for j in range(tree.max_depth):
+        want = y.gather(1, cur[:, None])  # [B, 1] the target's token after the current node
+        child = (tree.parent == cur[:, None]) & tree.valid
+        match = child & (tree.tokens == want)
+        hit = match.any(1) & active
+        if stats is not None:
+            stats.attempted[j] += (child.any(1) & active).sum()
+            stats.accepted[j] += hit.sum()
+        cur = torch.where(hit, match.int().argmax(1), cur)
+        n_acc += hit.long()
+        active = hit
+        path.append(cur)
+    if stats is not None:
+        stats.hist.index_add_(0, n_acc, torch.ones_like(n_acc))
+    return torch.stack(path, 1), n_acc, y.gather(1, cur[:, None])[:, 0]
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """norm(max(p - q, 0)): where to sample after rejecting a draft drawn from q ([..., V])."""
+    r = (p - q).clamp(min=0)
+    s = r.sum(-1, keepdim=True)
+    # s == 0 only when p == q, where rejection has probability 0; fall back to p for safety
+    return torch.where(s > 0, r / s.clamp(min=1e-30), p)
+
+
+def accept_prob(p_x: Tensor, q_x: Tensor) -> Tensor:
+    """Probability of accepting a draft x ~ q: min(1, p(x) / q(x))."""
+    return (p_x / q_x.clamp(min=1e-30)).clamp(max=1.0)
+
+
+def chain_rule(tree: Tree, p: Tensor, generator: torch.Generator | None,
+               stats: SpecStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Speculative sampling over a chain whose drafts were sampled from tree.q.
+
+    p: [B, D+1, V] processed target distributions at nodes 0..D (same processing as q).
+    Draft d_j ~ q_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first
+    rejection the emitted token is drawn from norm(max(p_j - q_j, 0)); if all D drafts pass, a
+    bonus token is drawn from p_{D}. Each emitted token then has law exactly p_j (Leviathan et al.
+    2023, Chen et al. 2023): P(x) = q(x) min(1, p/q) + (1 - sum_y min(p(y), q(y))) r(x) = p(x).
+    Returns path, n_acc, nxt like `walk`.
+    """
+    B, D = tree.tokens.shape[0], tree.max_depth
+    dev = p.device
+    d = tree.tokens[:, 1:, None]  # [B, D, 1]
+    px = p[:, :D].gather(2, d)[..., 0]
+    qx = tree.q.gather(2, d)[..., 0]
+    u = torch.rand(B, D, generator=generator, device=dev)
+    ok = u < accept_prob(px, qx)
+    n_acc = ok.long().cumprod(1).sum(1)
+    rows = torch.arange(B, device=dev)
+    p_j = p[rows, n_acc]  # [B, V] target distribution at the first rejected (or bonus) node
+    q_j = tree.q[rows, n_acc.clamp(max=D - 1)]
+    dist = torch.where((n_acc < D)[:, None], residual(p_j, q_j), p_j)
+    nxt = sample(dist, generator)
+    if stats is not None:
+        ar = torch.arange(D, device=dev)
+        stats.attempted[:D] += (n_acc[:, None] >= ar).sum(0)
+        stats.accepted[:D] += (n_acc[:, None] > ar).sum(0)
+        stats.hist.index_add_(0, n_acc, torch.ones_like(n_acc))
+    path = torch.arange(D + 1, device=dev).expand(B, -1).minimum(n_acc[:, None])
+    return path, n_acc, nxt
