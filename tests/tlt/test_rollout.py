@@ -1,0 +1,218 @@
+"""The rollout engine: SD is lossless (greedy token for token, sampling in distribution), harvest is exact.
+
+Drafters used: a random EAGLE drafter (almost nothing accepted: rejection paths), an oracle that
+predicts the target's own next hidden state exactly (everything accepted: long runs, and it only
+works if the drafter's cache protocol is right), and a noisy oracle (partial acceptance: rollback).
+"""
+
+import json
+
+import pytest
+import torch
+
+from workers.tlt.drafter import Drafter
+from workers.tlt.model import ModelConfig, Transformer, init_weights
+from workers.tlt.rollout import SpecPolicy, generate
+from workers.tlt.sampling import SamplingParams, process
+
+BOS = 1
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: OpenMP hand-offs cost more than the math, and collapse on a busy machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny(vocab=48, seed=0, std=0.3):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = Transformer(cfg)
+    init_weights(model, std)
+    return model.eval()
+
+
+class OracleDrafter(torch.nn.Module):
+    """Test double with the drafter interface whose prediction of h_{i+1} is the target's own.
+
+    It runs the whole target over the tokens it is fed, in a cache shifted by one slot whose slot 0
+    holds BOS (every test prompt starts with BOS). Its predictions are exact only if the engine
+    keeps the drafter cache right: true tokens before dcache.lengths, draft tokens in tree slots
+    with correct positions and masks. noise > 0 perturbs the predicted state (partial acceptance).
+    """
+
+    def __init__(self, target: Transformer, noise: float = 0.0, seed: int = 0):
+        super().__init__()
+        self._t = (target,)
+        self.noise = noise
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def new_cache(self, batch, max_len):
+        t = self._t[0]
+        cache = t.new_cache(batch, max_len + 1)
+        t(torch.full((batch, 1), BOS), torch.zeros(batch, 1, dtype=torch.long), cache,
+          mask=torch.ones(batch, 1, 1, dtype=torch.bool))
+        return cache
+
+    def forward(self, hidden, next_tokens, positions=None, cache=None, write_pos=None, mask=None):
+        B, T, _ = mask.shape
+        mask = torch.cat([torch.ones(B, T, 1, dtype=torch.bool), mask], -1)  # BOS is always visible
+        wp = (write_pos + 1).clamp(max=cache.max_len - 1)
+        h = self._t[0](next_tokens, positions + 1, cache, wp, mask, logits=False).hidden
+        if self.noise:
+            h = h + self.noise * torch.randn(h.shape, generator=self.gen)
+        return h
+
+    def logits(self, h):
+        return self._t[0].lm_head(h)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny()
+
+
+@pytest.fixture(scope="module")
+def drafters(model):
+    return {"random": Drafter.for_target(model), "oracle": OracleDrafter(model),
+            "noisy": OracleDrafter(model, noise=0.6)}
+
+
+def _prompts(batch):
+    base = [[BOS, 5, 9, 2], [BOS, 7], [BOS, 11, 4, 4, 30, 2, 8], [BOS, 5, 9, 2]]
+    return [base[i % len(base)] + [i % 5 + 10] * (i // 4) for i in range(batch)]
+
+
+EOS = [3, 17]
+
+
+@pytest.mark.parametrize("arm,kind", [("d4k1v4", "random"), ("d4k1v4", "oracle"), ("d4k1v4", "noisy"),
+                                      ("d3k2v6", "noisy"), ("d4k3v10", "oracle"), ("d5k3v16", "random"),
+                                      ("ngram", "random")])
+def test_greedy_sd_equals_plain_decoding_token_for_token(model, drafters, arm, kind):
+    for batch in (1, 3, 8):
+        prompts = _prompts(batch)
+        base = generate(model, prompts, GREEDY, max_new_tokens=24, eos_ids=EOS)
+        res = generate(model, prompts, GREEDY, max_new_tokens=24, eos_ids=EOS, drafter=drafters[kind],
+                       spec=SpecPolicy(arm=arm))
+        assert res.tokens == base.tokens, (arm, kind, batch)
+        assert res.finished == base.finished
+        for a, b in zip(res.hidden, base.hidden):
+            assert torch.allclose(a, b, atol=1e-4)
+        for a, b in zip(res.logprobs, base.logprobs):
+            assert torch.allclose(a, b, atol=1e-4)
+        assert res.metrics.verify_passes > 0
+
+
+def test_responses_stop_at_eos_or_the_length_limit(model):
+    res = generate(model, _prompts(8), GREEDY, max_new_tokens=24, eos_ids=EOS)
+    assert any(res.finished) and not all(res.finished)  # the tests above see ragged lengths
+    for toks, fin, n in zip(res.tokens, res.finished, res.lengths):
+        assert len(toks) == n <= 24
+        assert fin == (toks[-1] in EOS)
+        assert fin or n == 24
+        assert not set(toks[:-1]) & set(EOS)
+
+
+def test_an_exact_drafter_is_accepted_whole_so_its_cache_protocol_is_right(model, drafters):
+    prompts = _prompts(3)
+    res = generate(model, prompts, GREEDY, max_new_tokens=30, drafter=drafters["oracle"], spec=SpecPolicy(arm="d5k1v5"))
+    hist = res.metrics.accepted_hist
+    assert hist[5] == sum(hist) > 0  # every pass accepted all 5 draft tokens
+    assert res.metrics.acceptance_length == 6.0
+    noisy = generate(model, prompts, GREEDY, max_new_tokens=30, drafter=drafters["noisy"],
+                     spec=SpecPolicy(arm="d5k1v5")).metrics
+    assert sum(1 for k, c in enumerate(noisy.accepted_hist) if c and 0 < k < 5) >= 2  # partial acceptance
+    by_pos = [a / n for a, n in zip(noisy.accepted_by_pos, noisy.attempted_by_pos) if n]
+    assert by_pos[0] > 0
+
+
+@pytest.mark.parametrize("arm", ["d4k1v4", "d4k3v10", "off"])
+def test_harvested_hidden_states_and_logprobs_equal_a_fresh_forward(model, drafters, arm):
+    prompts = _prompts(5)
+    res = generate(model, prompts, SamplingParams(temperature=1.0, top_k=20), max_new_tokens=20, eos_ids=EOS,
+                   drafter=drafters["noisy"], spec=SpecPolicy(arm=arm), seed=3)
+    with torch.inference_mode():
+        for p, toks, hid, lp in zip(prompts, res.tokens, res.hidden, res.logprobs):
+            full = torch.tensor(p + toks)[None]
+            out = model(full)
+            assert hid.shape == (len(p) + len(toks) - 1, 32)
+            assert torch.allclose(hid, out.hidden[0, :-1], atol=1e-4)
+            ref = torch.log_softmax(out.logits[0, len(p) - 1:-1], -1).gather(1, torch.tensor(toks)[:, None])[:, 0]
+            assert torch.allclose(lp, ref, atol=1e-4)
+
+
+def _exact_first_three(model, prompt, params):
+    """P(x1, x2, x3 | prompt) under the processed target distribution, by enumeration."""
+    V = model.config.vocab_size
+    with torch.inference_mode():
+        p1 = process(model(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+        x1 = torch.arange(V)
+        ctx2 = torch.cat([torch.tensor(prompt).expand(V, -1), x1[:, None]], 1)
+        p2 = process(model(ctx2).logits[:, -1], params)  # [V, V]
+        ctx3 = torch.cat([ctx2.repeat_interleave(V, 0), x1.repeat(V)[:, None]], 1)
+        p3 = process(model(ctx3).logits[:, -1], params).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _chi2_pvalue(counts, probs):
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.mark.parametrize("arm,kind", [("d3k1v3", "noisy"), ("d3k1v3", "random"), ("d3k2v6", "noisy"),
+                                      ("ngram", "random")])
+def test_sampling_with_sd_draws_the_target_distribution(arm, kind):
+    model = _tiny(vocab=8, seed=4, std=0.6)
+    drafter = OracleDrafter(model, noise=0.4) if kind == "noisy" else Drafter.for_target(model, seed=1)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    # a repetitive prompt (the model's own greedy text) gives the n-gram drafter something to match
+    prompt = [BOS, 5, 2, 6, 5, 3, 0, 3, 0, 3, 3, 1, 2, 3, 3, 0]
+    exact = _exact_first_three(model, prompt, params).flatten()
+    N = 3000
+    res = generate(model, [prompt] * N, params, max_new_tokens=3, drafter=drafter,
+                   spec=SpecPolicy(arm=arm, threshold=N), seed=11)
+    toks = torch.tensor(res.tokens)
+    counts = torch.bincount(toks[:, 0] * 64 + toks[:, 1] * 8 + toks[:, 2], minlength=512).double()
+    assert _chi2_pvalue(counts, exact.double()) > 1e-3
+    assert res.metrics.acceptance_length > 1.2  # drafts were really accepted (and some rejected)
+
+
+def test_sd_switches_on_in_the_tail_and_metrics_are_json(model, drafters):
+    prompts = _prompts(8)
+    seen = []
+    res = generate(model, prompts, GREEDY, max_new_tokens=24, eos_ids=EOS, drafter=drafters["noisy"],
+                   spec=SpecPolicy(threshold=4, epsilon=0.0), on_progress=seen.append)
+    m = res.metrics
+    assert all(running <= 4 for _, running, sd in m.running if sd)
+    assert any(sd for _, _, sd in m.running) and m.sd_switches[0][1] is True
+    assert m.switch_on_s >= 0 and m.tail_tokens_sd > 0
+    assert set(m.strategy) <= {"1", "2-4", "5-20", "21+"}
+    assert sum(sum(c.values()) for c in m.strategy.values()) > 0
+    assert m.total_tokens == sum(res.lengths) and m.lengths == res.lengths
+    assert [e["running"] for e in seen] == sorted((e["running"] for e in seen), reverse=True)
+    json.dumps(m.to_dict())
+    assert set(m.scalars()) >= {"spec/acceptance_length", "rollout/tail_tokens_per_s_sd"}
+    json.dumps(m.series())
+
+
+def test_a_shared_bandit_keeps_learning_across_rollouts(model, drafters):
+    spec = SpecPolicy(threshold=8, epsilon=0.0)
+    bandit = spec.new_bandit(has_drafter=True)
+    for seed in range(2):
+        generate(model, _prompts(2), GREEDY, max_new_tokens=16, drafter=drafters["oracle"], spec=spec,
+                 bandit=bandit, seed=seed)
+    tried = bandit.rewards[bandit.bucket(2)]
+    assert all(len(r) > 0 for r in tried.values())  # every arm has a reward in the bucket that ran

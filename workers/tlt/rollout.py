@@ -1,0 +1,448 @@
+"""The built-in rollout engine: batched generation with adaptive, lossless speculative decoding.
+
+    from workers.tlt.rollout import SpecPolicy, generate
+    from workers.tlt.sampling import SamplingParams
+
+    res = generate(policy, prompts, SamplingParams(temperature=1.0, top_p=0.95), max_new_tokens=256,
+                   eos_ids=policy.config.eos_ids, drafter=drafter, spec=SpecPolicy.from_config(cfg.spec))
+    res.tokens[i], res.logprobs[i], res.hidden[i]      # per sample (repeat a prompt n times for n samples)
+    res.metrics.to_dict()                              # JSON-able: tail timeline, SD switches, acceptance
+
+One loop serves every mode. Each step drafts a `Tree` rooted at each row's pending token (no draft:
+a plain decode step; a chain; a top-k tree; an n-gram chain), runs the target once over it and
+accepts losslessly (speculative.walk / speculative.chain_rule). Prompts are right-padded and
+prefilled together; every row keeps its own cache length and rope positions, so no left padding.
+Finished rows leave the batch (KVCache.keep_rows), so the tail decodes at small batch.
+
+Speculative decoding (SD) may switch on when the running sequences are <= spec.threshold; then a
+bucketed epsilon-greedy bandit (bandit.py) picks the arm for each step: an EAGLE strategy
+(depth, top-k, verify tokens), the n-gram drafter, or "off" (plain decoding), by measured
+tokens/s. So SD switches off again in a bucket where it stops paying, and back on when
+exploration finds it pays. The drafter's cache is caught up lazily from the harvested hidden
+states (speculative.catch_up), so switching costs no target re-prefill.
+
+Harvest: the target's last hidden state (after the final norm) of every position it computed
+(prefill, decode, accepted draft positions; rejected ones are dropped) is kept per row; that is
+exactly the drafter's training input, with no extra forward pass.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .bandit import BucketedBandit
+from .model import Transformer
+from .sampling import SamplingParams, pick, process
+from .speculative import SpecStats, Tree, ancestors, chain_tree, chain_rule, draft, ngram_propose, root_tree, \
+    tree_mask, walk
+
+OFF, NGRAM = "off", "ngram"
+
+
+class Arm(NamedTuple):
+    label: str  # "off", "ngram", or "d{depth}k{topk}v{verify}"
+    depth: int = 0  # draft depth (0: no draft)
+    topk: int = 1  # branching per tree level (1: chain)
+    verify: int = 0  # draft tokens verified per pass (tree arms keep the best `verify` nodes)
+
+    @classmethod
+    def parse(cls, label: str, ngram_depth: int = 6) -> "Arm":
+        """Parse an arm label: off, ngram or d{depth}k{topk}v{verify} (e.g. d5k3v16)."""
+        if label in (OFF, NGRAM):
+            return cls(label) if label == OFF else cls(NGRAM, ngram_depth, 1, ngram_depth)
+        m = re.fullmatch(r"d(\d+)k(\d+)v(\d+)", label)
+        if not m or int(m[1]) < 1 or int(m[2]) < 1:
+            raise ValueError(f"bad arm label {label!r}: use off, ngram or d<depth>k<topk>v<verify>")
+        d, k, v = int(m[1]), int(m[2]), int(m[3])
+        return cls(label, d, k, max(v, d))
+
+
+@dataclass
+class SpecPolicy:
+    """When and how the rollout speculates. Mirrors config.SpecSection plus engine-only knobs."""
+
+    enabled: bool = True  # False: never speculate (baseline), but still measure the tail at `threshold`
+    threshold: int = 32  # SD may switch on when running sequences <= threshold (the tail)
+    strategies: tuple[tuple[int, int, int], ...] = ((4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16))
+    ngram_arm: bool = True  # n-gram drafter over the row itself and its siblings (same prompt)
+    ngram_n: int = 3  # longest suffix the n-gram drafter matches (tries n..1)
+    ngram_depth: int = 6  # tokens it proposes per pass
+    off_arm: bool = True  # plain decoding is an arm too: SD switches off where it does not pay
+    epsilon: float = 0.1  # bandit exploration probability
+    buckets: tuple[int, ...] = (1, 4, 20)  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
+    window: int = 16  # rewards kept per arm and bucket for the median
+    arm: str | None = None  # force this arm in the tail, e.g. "d5k1v5" (benchmarks, tests); None: bandit picks
+
+    @classmethod
+    def from_config(cls, spec, **overrides: Any) -> "SpecPolicy":
+        """From config.SpecSection (any object with its fields)."""
+        fields = dict(threshold=spec.threshold, strategies=tuple(tuple(s) for s in spec.strategies),
+                      ngram_arm=spec.ngram_arm, epsilon=spec.epsilon, buckets=tuple(spec.buckets),
+                      window=spec.window)
+        return cls(**{**fields, **overrides})
+
+    def arms(self, has_drafter: bool) -> list[Arm]:
+        if self.arm is not None:
+            arm = Arm.parse(self.arm, self.ngram_depth)
+            if arm.depth and arm.label != NGRAM and not has_drafter:
+                raise ValueError(f"arm {self.arm!r} needs a drafter")
+            return [arm]
+        arms = [Arm(f"d{d}k{k}v{v}", d, k, max(v, d)) for d, k, v in self.strategies] if has_drafter else []
+        if self.ngram_arm:
+            arms.append(Arm(NGRAM, self.ngram_depth, 1, self.ngram_depth))
+        if self.off_arm or not arms:
+            arms.append(Arm(OFF))
+        return arms
+
+    def new_bandit(self, has_drafter: bool, seed: int = 0) -> BucketedBandit:
+        """A bandit over this policy's arms; pass it to every generate() call to learn across steps."""
+        return BucketedBandit([a.label for a in self.arms(has_drafter)], self.buckets, epsilon=self.epsilon,
+                              window=self.window, seed=seed)
+
+
+@dataclass
+class RolloutMetrics:
+    """What one rollout measured. `to_dict()` is JSON-able; `scalars()`/`series()` use metrics.py keys."""
+
+    threshold: int = 0  # tail = running sequences <= threshold
+    wall_s: float = 0.0  # whole rollout, prefill included
+    prefill_s: float = 0.0
+    total_tokens: int = 0  # response tokens of all samples
+    lengths: list[int] = field(default_factory=list)  # response length per sample
+    running: list[tuple[float, int, bool]] = field(default_factory=list)  # (t_s, running, sd_on) at each change
+    sd_switches: list[tuple[float, bool]] = field(default_factory=list)  # (t_s, on) whenever SD flips
+    verify_passes: int = 0  # target passes that verified a draft
+    accepted_hist: list[int] = field(default_factory=list)  # [k]: row-passes that accepted k draft tokens
+    accepted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes that accepted draft position j+1
+    attempted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes with a candidate at position j+1
+    strategy: dict[str, dict[str, int]] = field(default_factory=dict)  # {bucket label: {arm label: steps}}
+    tail_tokens_sd: int = 0  # tokens emitted in the tail by SD passes
+    tail_s_sd: float = 0.0
+    tail_tokens_no_sd: int = 0  # tokens emitted in the tail by plain decode steps
+    tail_s_no_sd: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per row per verify pass (accepted drafts + the target's own token)."""
+        n = sum(self.accepted_hist)
+        return sum((k + 1) * c for k, c in enumerate(self.accepted_hist)) / n if n else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tail_tokens_per_s_sd(self) -> float:
+        return self.tail_tokens_sd / self.tail_s_sd if self.tail_s_sd else 0.0
+
+    @property
+    def tail_tokens_per_s_no_sd(self) -> float:
+        return self.tail_tokens_no_sd / self.tail_s_no_sd if self.tail_s_no_sd else 0.0
+
+    @property
+    def switch_on_s(self) -> float:
+        return next((t for t, on in self.sd_switches if on), -1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["running"] = [[round(t, 6), r, bool(s)] for t, r, s in self.running]
+        d["sd_switches"] = [[round(t, 6), bool(s)] for t, s in self.sd_switches]
+        for k in ("acceptance_length", "tokens_per_s", "tail_tokens_per_s_sd", "tail_tokens_per_s_no_sd",
+                  "switch_on_s"):
+            d[k] = getattr(self, k)
+        return d
+
+    def scalars(self) -> dict[str, float]:
+        return {
+            "rollout/tokens_per_s": self.tokens_per_s,
+            "rollout/tail_tokens_per_s_sd": self.tail_tokens_per_s_sd,
+            "rollout/tail_tokens_per_s_no_sd": self.tail_tokens_per_s_no_sd,
+            "spec/acceptance_length": self.acceptance_length,
+            "spec/switch_on_s": self.switch_on_s,
+            "timing_s/rollout": self.wall_s,
+        }
+
+    def series(self) -> dict[str, Any]:
+        return {
+            "rollout/lengths": list(self.lengths),
+            "rollout/running": {"t": [t for t, _, _ in self.running], "running": [r for _, r, _ in self.running],
+                                "sd": [int(s) for _, _, s in self.running]},
+            "spec/accept_by_position": [a / n if n else 0.0 for a, n in zip(self.accepted_by_pos, self.attempted_by_pos)],
+            "spec/strategy": self.strategy,
+        }
+
+
+@dataclass
+class RolloutResult:
+    tokens: list[list[int]]  # response ids per sample (prompt excluded; ends with the EOS id when it stopped on one)
+    # log-softmax of the RAW target logits (temperature 1, no top-k/top-p) at each response token, [len]
+    # float32; the same quantity a learner's scoring pass computes (it recomputes its own anyway)
+    logprobs: list[Tensor]
+    lengths: list[int]
+    finished: list[bool]  # True: stopped on an EOS id; False: reached max_new_tokens
+    # per sample [prompt_len + len - 1, H] on CPU: h_i (last layer, after the final norm) for every
+    # position i of prompt + response except the last; hidden[i] pairs with token i + 1 of that
+    # sequence (the drafter's training pairs). None when harvest_hidden is False.
+    hidden: list[Tensor] | None
+    metrics: RolloutMetrics
+
+
+class _Rows:
+    """Device state of the rows in the batch: row r of every tensor is the same sequence."""
+
+    def __init__(self, model: Transformer, drafter, prompts: Sequence[Sequence[int]], L: int, need_hidden: bool):
+        dev = model.device
+        B = len(prompts)
+        self.cache = model.new_cache(B, L)
+        self.dcache = drafter.new_cache(B, L) if drafter is not None else None
+        self.seq = torch.zeros(B, L, dtype=torch.long, device=dev)  # prompt + response; seq[b, n] = pending token
+        for b, p in enumerate(prompts):
+            self.seq[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        self.hid = torch.empty(B, L, model.config.hidden_size, dtype=model.dtype, device=dev) if need_hidden else None
+        self.lp = torch.zeros(B, L, dtype=torch.float32, device=dev)  # log-prob of seq[b, i], response part
+        self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        self.ids = list(range(B))  # sample index of each row
+        self.alive = torch.ones(B, dtype=torch.bool, device=dev)  # finished rows stay until compaction
+        self.alive_host = [True] * B
+        self.n_host = [len(p) for p in prompts]  # host copy of cache.lengths
+
+    def keep(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.seq.device)
+        self.cache.keep_rows(idx)
+        if self.dcache is not None:
+            self.dcache.keep_rows(idx)
+        self.seq, self.lp = self.seq[idx], self.lp[idx]
+        self.hid = self.hid[idx] if self.hid is not None else None
+        self.prompt_len, self.alive = self.prompt_len[idx], self.alive[idx]
+        self.ids = [self.ids[r] for r in rows]
+        self.alive_host = [self.alive_host[r] for r in rows]
+        self.n_host = [self.n_host[r] for r in rows]
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
+             max_new_tokens: int, eos_ids: Sequence[int] = (), drafter=None, spec: SpecPolicy | None = None,
+             bandit: BucketedBandit | None = None, seed: int = 0, generator: torch.Generator | None = None,
+             harvest_hidden: bool = True, hidden_dtype: torch.dtype = torch.float32,
+             on_progress: Callable[[dict[str, Any]], None] | None = None) -> RolloutResult:
+    """Generate a response for every prompt (token id lists; repeat a prompt for n samples).
+
+    params: temperature (0 = greedy), top-p, top-k. Stops a sequence at any of eos_ids or after
+    max_new_tokens. drafter: an EAGLE drafter (drafter.py) or None (then only the n-gram arm can
+    speculate). spec: None or enabled=False for plain decoding. bandit: pass one
+    (spec.new_bandit(...)) to keep learning across calls; else a fresh one per call.
+    seed / generator: the sampling randomness (same seed, same samples, for a fixed arm sequence).
+    on_progress: called with {"t", "running", "finished", "sd"} whenever the running count changes.
+    The device is the model's.
+    """
+    t0 = time.perf_counter()
+    dev = model.device
+    if generator is None:
+        generator = torch.Generator(device=dev).manual_seed(seed)
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise ValueError("need at least one prompt, each with at least one token")
+    policy = spec if spec is not None else SpecPolicy(enabled=False)
+    arms = {a.label: a for a in policy.arms(drafter is not None)} if policy.enabled else {}
+    if arms and bandit is None:
+        bandit = policy.new_bandit(drafter is not None, seed)
+    max_depth = max([a.depth for a in arms.values()] + [1])
+    slack = max([a.verify + 1 for a in arms.values()] + [a.depth * a.topk + 1 for a in arms.values()] + [2]) + 2
+    B0 = len(prompts)
+    L = max(len(p) for p in prompts) + max_new_tokens + slack
+    rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+    stats = SpecStats(max_depth, dev)
+    m = RolloutMetrics(threshold=policy.threshold)
+    out_tokens: list[list[int]] = [[] for _ in range(B0)]
+    out_lp: list[Tensor] = [torch.empty(0)] * B0
+    out_hidden: list[Tensor] | None = [torch.empty(0)] * B0 if harvest_hidden else None
+    out_eos = [False] * B0
+    groups: dict[tuple[int, ...], int] = {}
+    group_of = [groups.setdefault(tuple(p), len(groups)) for p in prompts]  # siblings share a prompt
+    done_seqs: dict[int, list[np.ndarray]] = {}  # finished prompt+response per group (n-gram corpus)
+
+    def finish(r: int, hit_eos: bool) -> None:
+        # copy a finished row's outputs to the CPU; the row stays as an inert zombie until compaction
+        i, n = rows.ids[r], rows.n_host[r]  # last emitted token at position n
+        P = len(prompts[i])
+        full = rows.seq[r, :n + 1].tolist()
+        out_tokens[i] = full[P:]
+        out_lp[i] = rows.lp[r, P:n + 1].float().cpu()
+        if out_hidden is not None:
+            out_hidden[i] = rows.hid[r, :n].to("cpu", hidden_dtype)
+        out_eos[i] = hit_eos
+        done_seqs.setdefault(group_of[i], []).append(np.asarray(full, dtype=np.int64))
+        rows.alive_host[r] = False
+
+    def stop(em: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """em: [B, J] tokens emitted at positions n+1.., k: [B] how many are real -> (count, done, eos)."""
+        r = rows.cache.lengths - rows.prompt_len + 1  # response tokens so far, the pending one included
+        k = torch.minimum(k, max_new_tokens - r)
+        hit = torch.zeros_like(rows.alive)
+        if eos.numel():
+            is_eos = torch.isin(em, eos) & (torch.arange(em.shape[1], device=dev)[None, :] < k[:, None])
+            hit = is_eos.any(1)
+            k = torch.where(hit, is_eos.int().argmax(1) + 1, k)
+        k = torch.where(rows.alive, k, 0)  # zombies stay frozen
+        return k, ((r + k >= max_new_tokens) | hit) & rows.alive, hit
+
+    # --- prefill: right-padded prompts, one pass; the first response token comes from its logits ---
+    P = rows.prompt_len
+    Pmax = int(max(len(p) for p in prompts))
+    bidx = torch.arange(B0, device=dev)
+    pos = torch.arange(Pmax, device=dev).expand(B0, Pmax)
+    out = model(rows.seq[:, :Pmax], pos, rows.cache, mask=torch.ones(Pmax, Pmax, dtype=torch.bool,
+                device=dev).tril().expand(B0, Pmax, Pmax), logits=False)
+    if rows.hid is not None:
+        rows.hid[:, :Pmax] = out.hidden
+    logits = model.lm_head(out.hidden[bidx, P - 1])  # [B, V] only where the prompts end
+    tok = pick(logits, params, generator)
+    rows.seq[bidx, P] = tok
+    rows.lp[bidx, P] = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+    rows.cache.lengths = P.clone()  # pending token = the first response token, at position P
+    hit = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(rows.alive)
+    done = hit | (max_new_tokens <= 1)
+    for r, (d, h) in enumerate(zip(done.tolist(), hit.tolist())):
+        if d:
+            finish(r, h)
+    rows.alive = rows.alive & ~done
+    m.prefill_s = time.perf_counter() - t0
+
+    # --- decode ----------------------------------------------------------------------------------
+    sd_prev = False
+    live_prev = -1
+    while True:
+        live = sum(rows.alive_host)
+        if live == 0:
+            break
+        B = len(rows.ids)
+        zombies = B - live
+        if zombies and (zombies * 8 >= B or live <= policy.threshold):
+            keep = [r for r in range(B) if rows.alive_host[r]]
+            rows.keep(keep)
+            B = live
+        t_step = time.perf_counter()
+        arm = Arm(OFF)
+        if arms and live <= policy.threshold:
+            arm = arms[bandit.select(live)]  # a forced arm is the bandit's only arm
+        sd_on = arm.label != OFF
+        now = t_step - t0
+        if sd_on != sd_prev:
+            m.sd_switches.append((now, sd_on))
+            sd_prev = sd_on
+        if live != live_prev or (m.running and m.running[-1][2] != sd_on):
+            m.running.append((now, live, sd_on))
+            if on_progress is not None and live != live_prev:
+                on_progress({"t": now, "running": live, "finished": B0 - live, "sd": sd_on})
+            live_prev = live
+
+        n = rows.cache.lengths
+        bidx = torch.arange(B, device=dev)
+        roots = rows.seq[bidx, n]
+        s_max = max(rows.n_host)
+        sampled_chain = False
+        if not sd_on:
+            tree = root_tree(roots)
+        elif arm.label == NGRAM:
+            tree = _ngram_tree(rows, roots, prompts, group_of, done_seqs, policy.ngram_n, arm.depth)
+        else:
+            sampled_chain = arm.topk == 1 and not params.greedy
+            tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
+                         verify=arm.verify, params=params, generator=generator, sample_chain=sampled_chain)
+
+        # --- one target pass over the tree, lossless acceptance ---
+        T = tree.tokens.shape[1]
+        ar = torch.arange(T, device=dev)
+        if T == 1:
+            mask = (torch.arange(s_max + 1, device=dev)[None, :] <= n[:, None])[:, None, :]
+        else:
+            mask = tree_mask(n, ancestors(tree), s_max + T)
+        out = model(tree.tokens, n[:, None] + tree.depth, rows.cache, write_pos=n[:, None] + ar, mask=mask)
+        st = stats if T > 1 else None
+        if sampled_chain:
+            path, n_acc, nxt = chain_rule(tree, process(out.logits, params), generator, st)
+        else:
+            path, n_acc, nxt = walk(tree, pick(out.logits, params, generator), st)
+        D = path.shape[1] - 1
+        j = torch.arange(D + 1, device=dev)
+        if D and not tree.chain:
+            # move the accepted path's keys/values to contiguous slots n+1..n+n_acc (root stays at n)
+            dst = n[:, None] + j[1:]
+            src = torch.where(j[1:] <= n_acc[:, None], n[:, None] + path[:, 1:], dst)
+            rows.cache.move(bidx, src, dst)
+        if rows.hid is not None:  # harvest: true hidden states of the root and accepted nodes
+            H = out.hidden.shape[-1]
+            rows.hid[bidx[:, None], n[:, None] + j] = out.hidden.gather(1, path[..., None].expand(-1, -1, H))
+        em = torch.cat([tree.tokens.gather(1, path[:, 1:]), nxt[:, None]], 1)  # [B, D+1] emitted at n+1..
+        em.scatter_(1, n_acc[:, None], nxt[:, None])
+        V = out.logits.shape[-1]
+        lps = torch.log_softmax(out.logits.gather(1, path[..., None].expand(-1, -1, V)).float(), -1)
+        wpos = n[:, None] + 1 + j
+        rows.seq[bidx[:, None], wpos] = em
+        rows.lp[bidx[:, None], wpos] = lps.gather(2, em[..., None])[..., 0]
+        k, done, hit = stop(em, n_acc + 1)
+        rows.cache.lengths = n + k
+        k_host, done_host, hit_host, n_host = torch.stack([k, done.long(), hit.long(), rows.cache.lengths]).tolist()
+        rows.n_host = n_host
+        for r in range(B):
+            if done_host[r]:
+                finish(r, bool(hit_host[r]))
+        rows.alive = rows.alive & ~done
+
+        # --- measure: reward for the bandit, tail throughput, strategy counts ---
+        dt = time.perf_counter() - t_step
+        emitted = sum(k_host)
+        if live <= policy.threshold:
+            if sd_on:
+                m.tail_tokens_sd += emitted
+                m.tail_s_sd += dt
+            else:
+                m.tail_tokens_no_sd += emitted
+                m.tail_s_no_sd += dt
+            if arms:
+                bandit.update(live, arm.label, emitted / max(dt, 1e-9))
+                label = bandit.label(bandit.bucket(live))
+                counts = m.strategy.setdefault(label, {})
+                counts[arm.label] = counts.get(arm.label, 0) + 1
+        if sd_on:
+            m.verify_passes += 1
+
+    m.wall_s = time.perf_counter() - t0
+    m.running.append((m.wall_s, 0, sd_prev))
+    m.lengths = [len(t) for t in out_tokens]
+    m.total_tokens = sum(m.lengths)
+    m.accepted_hist = stats.hist.tolist()
+    m.accepted_by_pos = stats.accepted.tolist()
+    m.attempted_by_pos = stats.attempted.tolist()
+    return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m)
+
+
+def _ngram_tree(rows: _Rows, roots: Tensor, prompts, group_of: list[int], done_seqs: dict[int, list[np.ndarray]],
+                n_max: int, depth: int, max_siblings: int = 8) -> Tree:
+    """Chain drafts from the n-gram drafter: each row's own text, then up to max_siblings siblings."""
+    S = max(rows.n_host) + 1
+    seq = rows.seq[:, :S].tolist()
+    ctx = [seq[r][:rows.n_host[r] + 1] for r in range(len(rows.ids))]
+    arrays = [np.asarray(c, dtype=np.int64) for c in ctx]
+    proposals = []
+    for r in range(len(rows.ids)):
+        if not rows.alive_host[r]:
+            proposals.append([])
+            continue
+        g = group_of[rows.ids[r]]
+        others = done_seqs.get(g, [])[-max_siblings:]  # finished siblings first: complete texts
+        for o in range(len(rows.ids)):
+            if len(others) >= max_siblings:
+                break
+            if o != r and group_of[rows.ids[o]] == g:
+                others.append(arrays[o])
+        proposals.append(ngram_propose(ctx[r], others, n_max, depth))
+    return chain_tree(roots, proposals, depth)
