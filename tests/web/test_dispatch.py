@@ -182,3 +182,16 @@ def test_the_ray_client_sends_the_clusters_auth_token(monkeypatch, tmp_path):
     assert ray_auth_headers() == {"Authorization": "Bearer abc123"}
     monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
     assert ray_auth_headers() == {"Authorization": "Bearer from-env"}
+
+
+def test_sync_keeps_run_states_while_ray_is_unreachable(run, monkeypatch):
+    from tltweb.runs import dispatch
+
+    def down():
+        raise ConnectionError("Failed to connect to Ray")
+
+    monkeypatch.setattr(dispatch, "ray_client", down)
+    Run.objects.filter(pk=run.pk).update(submitted_at=timezone.now(), state="running")
+    assert services.runs_sync() == 1
+    run.refresh_from_db()
+    assert run.state == "running"

@@ -246,9 +246,13 @@ def runs_sync(*, client: Any = None, resubmit_after_s: int = 120) -> int:
     active = list(Run.objects.filter(state__in=ACTIVE_STATES))
     if not active:
         return 0
-    client = client or dispatch.ray_client()
+    if client is None and any(run.submitted_at for run in active):
+        try:
+            client = dispatch.ray_client()
+        except (ConnectionError, RuntimeError, OSError) as exc:  # Ray down: runs keep their state
+            log.warning("Ray job API unreachable, runs not synced: %s", exc)
     for run in active:
-        if run.submitted_at:
+        if run.submitted_at and client is not None:
             try:
                 run_sync_status(run=run, client=client)
             except Exception:
