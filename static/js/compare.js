@@ -13,7 +13,7 @@
       };
     });
     Plotly.react("chart-compare", traces, {
-      title: { text: key }, xaxis: { title: { text: "step" } }, margin: { t: 40, r: 10, b: 40, l: 50 }
+      title: { text: key }, xaxis: { title: { text: "step" }, tickformat: "d" }, margin: { t: 40, r: 10, b: 40, l: 50 }
     }, { responsive: true, displaylogo: false });
     var url = new URL(window.location.href);
     url.searchParams.set("metric", key);
