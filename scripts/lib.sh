@@ -12,12 +12,21 @@ TLT_RAY_NUM_CPUS="${TLT_RAY_NUM_CPUS:-2}"
 tlt_log() { printf '[%s] %s\n' "${TLT_LOG_TAG:-tlt}" "$*" >&2; }
 tlt_die() { tlt_log "error: $*"; exit 1; }
 
-# http_ok URL: true when something answers HTTP 2xx/3xx at URL within 2 s.
+# http_ok URL: true when something answers HTTP 2xx/3xx at URL within 2 s. Sends the local Ray
+# cluster's token when one exists: Ray 2.5x turns on token auth for heads started after any local
+# ray.init() wrote ~/.ray/auth_token, and then answers 401 without it.
 http_ok() {
   "$TLT_PY" - "$1" <<'PY' 2>/dev/null
-import sys, urllib.request
+import os, pathlib, sys, urllib.request
+req = urllib.request.Request(sys.argv[1])
+token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+path = pathlib.Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or pathlib.Path.home() / ".ray" / "auth_token")
+if not token and path.is_file():
+    token = path.read_text().strip()
+if token:
+    req.add_header("Authorization", f"Bearer {token}")
 try:
-    urllib.request.urlopen(sys.argv[1], timeout=2)
+    urllib.request.urlopen(req, timeout=2)
 except Exception:
     sys.exit(1)
 PY

@@ -10,3 +10,9 @@
 Lives under platform/, a source root that must never become a package (it would shadow the
 standard library's `platform`).
 """
+
+# Load the Celery app with Django so that `task.delay()` from web code goes to the configured
+# broker; without this, shared tasks bind to Celery's unconfigured default app (cookiecutter-django).
+from workers.celery_app import app as celery_app  # noqa: E402
+
+__all__ = ["celery_app"]

@@ -127,12 +127,13 @@ SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^api/ingest/"]  # probes and in-cluste
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
 CELERY_FS_DIR = Path(env_str("CELERY_FS_DIR", str(VAR_DIR / "celery")))
 if CELERY_BROKER_URL.startswith("filesystem://"):
-    for sub in ("queue", "processed"):
+    for sub in ("queue", "processed", "control"):
         (CELERY_FS_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_FS_DIR / "queue"),
         "data_folder_out": str(CELERY_FS_DIR / "queue"),
         "data_folder_processed": str(CELERY_FS_DIR / "processed"),
+        "control_folder": str(CELERY_FS_DIR / "control"),  # default is ./control in the cwd
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True
