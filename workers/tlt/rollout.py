@@ -35,7 +35,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .bandit import BucketedBandit
@@ -203,9 +202,10 @@ class _Rows:
         B = len(prompts)
         self.cache = model.new_cache(B, L)
         self.dcache = drafter.new_cache(B, L) if drafter is not None else None
-        self.seq = torch.zeros(B, L, dtype=torch.long, device=dev)  # prompt + response; seq[b, n] = pending token
+        seq = torch.zeros(B, L, dtype=torch.long)
         for b, p in enumerate(prompts):
-            self.seq[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+            seq[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        self.seq = seq.to(dev)  # prompt + response; seq[b, n] = pending token
         self.hid = torch.empty(B, L, model.config.hidden_size, dtype=model.dtype, device=dev) if need_hidden else None
         self.lp = torch.zeros(B, L, dtype=torch.float32, device=dev)  # log-prob of seq[b, i], response part
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)

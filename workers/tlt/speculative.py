@@ -180,7 +180,8 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     front = torch.arange(K, device=dev).expand(B, K)  # pool indices of the frontier
     ph = h[:, None].expand(B, K, H)  # drafter input state of each frontier node (its parent's output)
     anc = torch.zeros(B, K, R, dtype=torch.bool, device=dev)
-    anc[:, torch.arange(K), torch.arange(K)] = True  # level-1 nodes occupy slots 0..K-1
+    ark = torch.arange(K, device=dev)
+    anc[:, ark, ark] = True  # level-1 nodes occupy slots 0..K-1
     offset = K
     keys = torch.arange(s_max + R, device=dev)
     rel = keys[None, :] - lengths[:, None]  # [B, S]
@@ -206,7 +207,7 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
             front = offset + sel
             ph = out.gather(1, par_k[..., None].expand(B, K, H))
             anc = anc.gather(1, par_k[..., None].expand(B, K, R)).clone()
-            anc[:, torch.arange(K), (level - 1) * K + torch.arange(K)] = True
+            anc[:, ark, (level - 1) * K + ark] = True
         offset += K * K
 
     ptok, pscore = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)
