@@ -109,6 +109,37 @@ def test_greedy_sd_equals_plain_decoding_token_for_token(model, drafters, arm, k
         assert res.metrics.verify_passes > 0
 
 
+SUBSET = list(range(0, 48, 3)) + EOS  # a reduced draft vocabulary: the drafter never proposes other ids
+
+
+@pytest.mark.parametrize("arm,kind", [("d4k1v4", "random"), ("d4k1v4", "noisy"), ("d3k2v6", "noisy"),
+                                      ("d4k3v10", "oracle")])
+def test_greedy_sd_with_a_reduced_draft_vocabulary_equals_plain_decoding(model, drafters, arm, kind):
+    # "random" is a real Drafter (sub-matrix head), the oracles go through the generic column gather
+    for batch in (1, 5):
+        prompts = _prompts(batch)
+        base = generate(model, prompts, GREEDY, max_new_tokens=24, eos_ids=EOS)
+        res = generate(model, prompts, GREEDY, max_new_tokens=24, eos_ids=EOS, drafter=drafters[kind],
+                       spec=SpecPolicy(arm=arm, draft_ids=SUBSET))
+        assert res.tokens == base.tokens, (arm, kind, batch)
+        assert res.metrics.verify_passes > 0
+
+
+def test_draft_vocab_size_uses_the_drafter_token_counts(model):
+    drafter = Drafter.for_target(model)
+    drafter.token_counts = torch.zeros(48)
+    drafter.token_counts[[40, 41, 42]] = torch.tensor([5.0, 9.0, 1.0])
+    head = SpecPolicy(draft_vocab=2).draft_head(drafter, 48, eos_ids=[3])
+    assert head.ids.tolist() == [3, 40, 41] and head.weight.shape == (3, 32)
+    h = torch.randn(2, 32)
+    assert torch.allclose(head.logits(h), drafter.logits(h)[:, [3, 40, 41]], atol=1e-6)
+    assert SpecPolicy().draft_head(drafter, 48).ids is None  # 0: the full vocabulary
+    full = generate(model, _prompts(2), GREEDY, max_new_tokens=12, eos_ids=EOS)
+    res = generate(model, _prompts(2), GREEDY, max_new_tokens=12, eos_ids=EOS, drafter=drafter,
+                   spec=SpecPolicy(arm="d3k1v3", draft_vocab=2))
+    assert res.tokens == full.tokens
+
+
 def test_responses_stop_at_eos_or_the_length_limit(model):
     res = generate(model, _prompts(8), GREEDY, max_new_tokens=24, eos_ids=EOS)
     assert any(res.finished) and not all(res.finished)  # the tests above see ragged lengths
@@ -172,9 +203,11 @@ def _chi2_pvalue(counts, probs):
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
 
 
-@pytest.mark.parametrize("arm,kind", [("d3k1v3", "noisy"), ("d3k1v3", "random"), ("d3k2v6", "noisy"),
-                                      ("ngram", "random")])
-def test_sampling_with_sd_draws_the_target_distribution(arm, kind):
+@pytest.mark.parametrize("arm,kind,subset", [("d3k1v3", "noisy", None), ("d3k1v3", "random", None),
+                                             ("d3k2v6", "noisy", None), ("ngram", "random", None),
+                                             ("d3k1v3", "noisy", (0, 2, 3, 5)), ("d3k2v6", "noisy", (0, 3, 5))])
+def test_sampling_with_sd_draws_the_target_distribution(arm, kind, subset):
+    # subset: a reduced draft vocabulary (q = 0 outside it); the emitted law must still be exactly p
     model = _tiny(vocab=8, seed=4, std=0.6)
     drafter = OracleDrafter(model, noise=0.4) if kind == "noisy" else Drafter.for_target(model, seed=1)
     params = SamplingParams(temperature=0.9, top_p=0.95)
@@ -183,7 +216,7 @@ def test_sampling_with_sd_draws_the_target_distribution(arm, kind):
     exact = _exact_first_three(model, prompt, params).flatten()
     N = 3000
     res = generate(model, [prompt] * N, params, max_new_tokens=3, drafter=drafter,
-                   spec=SpecPolicy(arm=arm, threshold=N), seed=11)
+                   spec=SpecPolicy(arm=arm, threshold=N, draft_ids=subset), seed=11)
     toks = torch.tensor(res.tokens)
     counts = torch.bincount(toks[:, 0] * 64 + toks[:, 1] * 8 + toks[:, 2], minlength=512).double()
     assert _chi2_pvalue(counts, exact.double()) > 1e-3

@@ -86,6 +86,11 @@ class RolloutSection(_Section):
     temperature: float = Field(1.0, ge=0.0, le=5.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
+    vllm_gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="vllm: GPU share for weights + KV cache (None: vLLM's default, 0.9).")
+    vllm_max_num_seqs: int = Field(256, ge=1, le=65_536, description="vllm: most sequences decoded together.")
+    vllm_max_prompt_len: int = Field(2048, ge=1, le=1_000_000,
+                                     description="vllm: prompt budget; max_model_len = this + max_new_tokens.")
 
 
 class SpecSection(_Section):
@@ -98,6 +103,13 @@ class SpecSection(_Section):
         description="Arms as (draft depth, top-k branching, tokens verified per pass); top-k 1 is a chain.",
     )
     ngram_arm: bool = Field(True, description="Also try an n-gram drafter over sibling responses.")
+    draft_vocab: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Reduced draft vocabulary (FR-Spec): the EAGLE drafter scores only the N most frequent token "
+                    "ids of its training data (plus EOS) when drafting, which makes each draft step much cheaper "
+                    "for large vocabularies; still lossless (verification uses the target's full distribution). "
+                    "0: the full vocabulary.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SpecSection":

@@ -28,6 +28,9 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, input_norm=False)])
         # shared, frozen target parts; kept out of state_dict so checkpoints hold only our weights
         self._target: tuple[Transformer, ...] = (target,) if target is not None else ()
+        # optional [V] token frequencies of the drafter's training data (not a weight, not exported):
+        # rollout.SpecPolicy(draft_vocab=N) drafts over the N most frequent ids by these counts
+        self.token_counts: Tensor | None = None
 
     @classmethod
     def for_target(cls, target: Transformer, seed: int = 0) -> "Drafter":

@@ -40,8 +40,8 @@ from torch import Tensor
 from .bandit import BucketedBandit
 from .model import Transformer
 from .sampling import SamplingParams, pick, process
-from .speculative import SpecStats, Tree, ancestors, chain_tree, chain_rule, draft, ngram_propose, root_tree, \
-    tree_mask, walk
+from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, chain_rule, draft, draft_vocab_ids, \
+    ngram_propose, root_tree, tree_mask, walk
 
 OFF, NGRAM = "off", "ngram"
 
@@ -79,13 +79,18 @@ class SpecPolicy:
     buckets: tuple[int, ...] = (1, 4, 20)  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
     window: int = 16  # rewards kept per arm and bucket for the median
     arm: str | None = None  # force this arm in the tail, e.g. "d5k1v5" (benchmarks, tests); None: bandit picks
+    # reduced draft vocabulary (FR-Spec): the EAGLE drafter's head scores only this many token ids, the
+    # most frequent by `drafter.token_counts` (its training data) plus the EOS ids; 0: the full vocabulary.
+    # Lossless either way (verification uses the target's full distribution); it makes draft steps cheap.
+    draft_vocab: int = 0
+    draft_ids: Sequence[int] | None = None  # explicit draft vocabulary (overrides draft_vocab; tests)
 
     @classmethod
     def from_config(cls, spec, **overrides: Any) -> "SpecPolicy":
         """From config.SpecSection (any object with its fields)."""
         fields = dict(threshold=spec.threshold, strategies=tuple(tuple(s) for s in spec.strategies),
                       ngram_arm=spec.ngram_arm, epsilon=spec.epsilon, buckets=tuple(spec.buckets),
-                      window=spec.window)
+                      window=spec.window, draft_vocab=getattr(spec, "draft_vocab", 0))
         return cls(**{**fields, **overrides})
 
     def arms(self, has_drafter: bool) -> list[Arm]:
@@ -100,6 +105,18 @@ class SpecPolicy:
         if self.off_arm or not arms:
             arms.append(Arm(OFF))
         return arms
+
+    def draft_head(self, drafter, vocab_size: int, eos_ids: Sequence[int] = ()) -> DraftHead:
+        """The drafter's LM head for this policy: full, or over the reduced draft vocabulary."""
+        if self.draft_ids is not None:
+            ids = torch.as_tensor(list(self.draft_ids), dtype=torch.long).unique()
+        elif self.draft_vocab and self.draft_vocab < vocab_size:
+            counts = getattr(drafter, "token_counts", None)
+            counts = torch.zeros(vocab_size) if counts is None else counts.detach().float().cpu()[:vocab_size]
+            ids = draft_vocab_ids(counts, self.draft_vocab, eos_ids)
+        else:
+            return DraftHead(drafter)
+        return DraftHead(drafter, ids, vocab_size)
 
     def new_bandit(self, has_drafter: bool, seed: int = 0) -> BucketedBandit:
         """A bandit over this policy's arms; pass it to every generate() call to learn across steps."""
@@ -258,6 +275,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     B0 = len(prompts)
     L = max(len(p) for p in prompts) + max_new_tokens + slack
     rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None)
+    head = policy.draft_head(drafter, model.config.vocab_size, eos_ids) if drafter is not None and arms else None
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)
@@ -356,7 +374,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         else:
             sampled_chain = arm.topk == 1 and not params.greedy
             tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                         verify=arm.verify, params=params, generator=generator, sample_chain=sampled_chain)
+                         verify=arm.verify, params=params, generator=generator, sample_chain=sampled_chain, head=head)
 
         # --- one target pass over the tree, lossless acceptance ---
         T = tree.tokens.shape[1]

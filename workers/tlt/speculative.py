@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import torch.nn.functional as F
+
 from .model import KVCache
 from .sampling import SamplingParams, process, sample
 
@@ -98,6 +100,70 @@ def tree_mask(lengths: Tensor, anc: Tensor, S: int) -> Tensor:
 
 # --- the drafter ---------------------------------------------------------------------------------
 
+class DraftHead:
+    """The drafter's LM head, optionally restricted to a reduced draft vocabulary (FR-Spec style).
+
+    Each draft step of an EAGLE drafter ends in the target's LM head; on a CPU that [V, H] matrix
+    product (V = 49152 for SmolLM2) costs more than the drafter's decoder layer. With `ids` (sorted,
+    unique token ids, e.g. the most frequent few thousand in the drafter's training data plus EOS)
+    drafting computes logits over that subset only: q is the softmax over the subset and q = 0
+    outside it. Verification still uses the target's full distribution p, so the rollout stays
+    lossless: greedy accepts only tokens equal to the target's argmax, and sampled chains use the
+    speculative-sampling rule with this q, the distribution the drafts were really drawn from.
+
+    `logits(h)` -> [..., V'] over the subset (V' = len(ids), or V without ids); `token(i)` maps
+    subset indices back to vocabulary ids; `full(q)` scatters a subset distribution into [..., V].
+    """
+
+    def __init__(self, drafter, ids: Tensor | None = None, vocab_size: int | None = None):
+        self.drafter = drafter
+        self.ids = ids
+        self.vocab_size = vocab_size
+        self.weight: Tensor | None = None
+        if ids is not None:
+            if vocab_size is None:
+                raise ValueError("a reduced draft vocabulary needs the full vocab_size")
+            w = _head_weight(drafter)
+            if w is not None:
+                self.ids = ids = ids.to(w.device)
+                self.weight = w.detach().index_select(0, ids)  # [V', H] contiguous: one small matmul per step
+
+    def logits(self, h: Tensor) -> Tensor:
+        if self.ids is None:
+            return self.drafter.logits(h)
+        if self.weight is not None:
+            return F.linear(h, self.weight)
+        return self.drafter.logits(h).index_select(-1, self.ids)  # generic drafter: correct, not faster
+
+    def token(self, i: Tensor) -> Tensor:
+        return i if self.ids is None else self.ids[i]
+
+    def full(self, q: Tensor) -> Tensor:
+        if self.ids is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        return out.index_copy_(-1, self.ids, q)
+
+
+def _head_weight(drafter) -> Tensor | None:
+    """The [V, H] LM-head weight an EAGLE drafter shares with its target (None: unknown drafter)."""
+    try:
+        head = drafter.target.lm_head
+    except (AttributeError, RuntimeError):
+        return None
+    w = getattr(head, "weight", None)
+    return w if isinstance(w, Tensor) and w.dim() == 2 else None
+
+
+def draft_vocab_ids(counts: Tensor, size: int, always: Sequence[int] = ()) -> Tensor:
+    """The `size` most frequent token ids by `counts` [V] (plus `always`, e.g. EOS ids), sorted."""
+    V = counts.shape[0]
+    size = max(1, min(int(size), V))
+    top = torch.topk(counts.double() + torch.arange(V, 0, -1, dtype=torch.float64) * 1e-9, size).indices
+    keep = set(top.tolist()) | {int(a) for a in always if 0 <= int(a) < V}
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
 def catch_up(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor) -> Tensor:
     """Feed the drafter every pair (h_i, x_{i+1}) it has not seen, i in [dcache.lengths, lengths).
 
@@ -131,7 +197,7 @@ def _causal(lengths: Tensor, T: int, S: int) -> Tensor:
 
 def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s_max: int, *,
           depth: int, topk: int, verify: int, params: SamplingParams, generator: torch.Generator | None,
-          sample_chain: bool) -> Tree:
+          sample_chain: bool, head: DraftHead | None = None) -> Tree:
     """Draft a chain (topk == 1) or a tree for every row; s_max = max(lengths) as a host int.
 
     Chain: depth drafter steps, each token the drafter's argmax, or (sample_chain) a draw from its
@@ -141,13 +207,15 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     finally the `verify` best candidates over all levels are kept. A child's score is below its
     parent's, so the kept set is closed under ancestors. Drafter slots of the tree region start at
     n; they are garbage after the pass (the next catch_up rewrites them from true states).
+    head: the drafter's LM head, possibly over a reduced draft vocabulary (DraftHead); default: full.
     """
     B = lengths.shape[0]
     dev = lengths.device
     rows = torch.arange(B, device=dev)
+    head = head if head is not None else DraftHead(drafter)
     h = catch_up(drafter, dcache, hid, seq, lengths)  # [B, H]
     root = seq[rows, lengths]
-    logits = drafter.logits(h)  # [B, V]
+    logits = head.logits(h)  # [B, V']
 
     if topk == 1:
         toks, qs = [], []
@@ -157,23 +225,24 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
                 pos = (lengths + level - 2)[:, None]  # drafter position of the previous draft token
                 x = drafter(x, tok[:, None], positions=pos, cache=dcache, write_pos=pos,
                             mask=_causal(pos[:, 0], 1, s_max + level - 1))
-                logits = drafter.logits(x[:, 0])
+                logits = head.logits(x[:, 0])
             if sample_chain:
                 q = process(logits, params)
-                tok = sample(q, generator)
+                tok = head.token(sample(q, generator))
                 qs.append(q)
             else:
-                tok = logits.argmax(-1)
+                tok = head.token(logits.argmax(-1))
             toks.append(tok)
         tokens = torch.stack([root] + toks, 1)  # [B, D + 1]
         ar = torch.arange(depth + 1, device=dev).expand(B, -1)
         return Tree(tokens, ar - 1, ar, torch.ones_like(tokens, dtype=torch.bool), depth, True,
-                    torch.stack(qs, 1) if sample_chain else None)
+                    head.full(torch.stack(qs, 1)) if sample_chain else None)
 
     K = topk
     R = max(1, (depth - 1) * K)  # drafter slots of the tree region
     H = h.shape[-1]
     score, tok = torch.log_softmax(logits.float(), -1).topk(K, -1)  # [B, K]
+    tok = head.token(tok)
     pool_tok, pool_score = [tok], [score]
     pool_par = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
     pool_dep = [torch.ones(B, K, dtype=torch.long, device=dev)]
@@ -193,7 +262,8 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
         wp = lengths[:, None] + slot0 + torch.arange(K, device=dev)
         mask = prefix | (anc.gather(2, rel.clamp(0, R - 1)[:, None, :].expand(B, K, -1)) & inside[:, None, :])
         out = drafter(ph, tok, positions=pos, cache=dcache, write_pos=wp, mask=mask)  # [B, K, H]
-        v, t = torch.log_softmax(drafter.logits(out).float(), -1).topk(K, -1)  # [B, K, K]
+        v, t = torch.log_softmax(head.logits(out).float(), -1).topk(K, -1)  # [B, K, K]
+        t = head.token(t)
         cs = (score[:, :, None] + v).flatten(1)  # [B, K*K] cumulative log-prob of each child
         ct = t.flatten(1)
         pool_tok.append(ct)
