@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 
@@ -15,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from workers.tlt.config import preset
+from workers.tlt.config import load_config, preset
 from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, JsonlSink, Tracking
 from workers.tlt.model import Transformer
 from workers.tlt.trainer import Trainer
@@ -189,3 +190,112 @@ def test_the_entry_point_rejects_a_bad_config_with_exit_code_2(tmp_path, capsys,
     assert "rollout.temperature" in capsys.readouterr().err
     monkeypatch.delenv("TLT_CONFIG")
     assert main(["--out", str(tmp_path / "out")]) == 2
+
+
+class FakeVllmEngine:
+    """VllmRolloutEngine's small interface (from_config, generate, update_policy/drafter,
+    returns_hidden False) over the built-in engine, so the vLLM path runs where vLLM is absent."""
+
+    returns_hidden = False
+
+    def __init__(self, cfg, policy_dir, drafter_dir):
+        from workers.tlt.model import Transformer
+
+        self.cfg, self.policy_dir, self.drafter_dir = cfg, policy_dir, drafter_dir
+        self.policy = Transformer.from_pretrained(policy_dir)
+        self.calls = {"generate": 0, "update_policy": 0, "update_drafter": 0}
+
+    @classmethod
+    def from_config(cls, cfg, policy_dir, drafter_dir=None, **kw):
+        return cls(cfg, policy_dir, drafter_dir if cfg.run.tlt else None)
+
+    def generate(self, prompts, params, *, max_new_tokens, eos_ids=(), seed=0, **_):
+        from workers.tlt.rollout import generate
+
+        self.calls["generate"] += 1
+        res = generate(self.policy, prompts, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed,
+                       harvest_hidden=False)
+        assert res.hidden is None
+        return res
+
+    def update_policy(self, policy):
+        self.calls["update_policy"] += 1
+        self.policy.load_state_dict(policy.state_dict())
+
+    def update_drafter(self, drafter):
+        assert self.drafter_dir is not None
+        self.calls["update_drafter"] += 1
+
+
+def vllm_cfg(steps: int = STEPS):
+    data = tiny_cfg(steps=steps).model_dump(mode="json")
+    data["rollout"]["engine"] = "vllm"
+    return load_config(data)
+
+
+def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in_place():
+    from workers.tlt.drafter import Drafter
+    from workers.tlt.ray_workers import CoordinatorImpl, RolloutWorkerImpl
+    from workers.tlt.trainer import prepare_policy_folder
+
+    cfg = vllm_cfg()
+    policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
+    drafter_state = Drafter.for_target(policy).state_dict()
+    coord = CoordinatorImpl(1)
+    worker = RolloutWorkerImpl(0, policy.config, cfg, coord)
+    worker.engine_factory = FakeVllmEngine.from_config
+    worker.load_weights(policy.state_dict(), drafter_state)
+    assert worker.engine is None  # lazily: nothing built (nor vLLM imported) before the first rollout
+    coord.begin_step(1, drafter_state, [])
+    out = worker.rollout(1, [[1, 5, 6, 7]] * 2, [2], seed=0, tlt=True)
+    engine = worker.engine
+    assert (engine.policy_dir / "config.json").exists() and (engine.drafter_dir / "model.safetensors").exists()
+    assert engine.calls["generate"] == 1 and out["harvested"] is False and out["records"] is None
+    assert out["tokens"] == [list(t) for t in generate_ref(policy, cfg, [[1, 5, 6, 7]] * 2)]
+    worker.load_weights(policy.state_dict(), drafter_state)  # next step's sync: in place, no rebuild
+    assert worker.engine is engine and engine.calls["update_policy"] == 1 and engine.calls["update_drafter"] == 1
+
+
+def generate_ref(policy, cfg, prompts):
+    from workers.tlt.rollout import generate
+    from workers.tlt.sampling import SamplingParams
+
+    rc = cfg.rollout
+    return generate(policy, prompts, SamplingParams(temperature=rc.temperature), max_new_tokens=rc.max_new_tokens,
+                    eos_ids=[2], seed=0, harvest_hidden=False).tokens
+
+
+def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner_pass(ray_local, tmp_path):
+    """A vLLM-path step with the fake engine: the learner's log-prob pass fills the drafter buffer
+    (with the policy's own hidden states), and the next step ships every record to the coordinator."""
+    import ray.cloudpickle
+
+    from workers.tlt.grpo import token_logprobs
+    from workers.tlt.ray_workers import RolloutWorkerImpl
+
+    class FakeVllmWorker(RolloutWorkerImpl):
+        engine_factory = staticmethod(FakeVllmEngine.from_config)
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class lives in this test
+    cfg = vllm_cfg(steps=1)
+    tracking = Tracking([JsonlSink(tmp_path / "metrics.jsonl")])
+    trainer = Trainer(cfg, tmp_path, tracking, worker_actor=ray.remote(num_cpus=1)(FakeVllmWorker))
+    try:
+        trainer.setup()
+        before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+        first = trainer.run_step()
+        recs = trainer.buffer.records
+        assert len(recs) == sum(1 for r in first.responses if r) > 0  # one record per response, from the learner
+        # the hidden states are the policy's own (as it was for the rollout), over prompt + response
+        policy = Transformer.from_pretrained(trainer.policy_folder)
+        policy.load_state_dict(before)
+        r = recs[0]
+        _, hidden = token_logprobs(policy, r.tokens[None], return_hidden=True)
+        torch.testing.assert_close(r.hidden.float(), hidden[0].float(), atol=2e-3, rtol=2e-3)
+        assert all(res["harvested"] is False for res in trainer.last_results)
+        # next step's begin_step ships all of them to the coordinator (this step's came too late)
+        shipped = [rec for ref in trainer._prev_records_ref() for rec in ray.get(ref)]
+        assert len(shipped) == len(recs)
+    finally:
+        trainer.close()
+        tracking.close()

@@ -78,11 +78,17 @@ def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: 
     return tokens, mask, torch.tensor([len(p) for p in prompts])
 
 
-def token_logprobs(model: Transformer, tokens: Tensor) -> Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: [B, T-1] float32."""
-    logits = model(tokens).logits[:, :-1].float()  # [B, T-1, V]
+def token_logprobs(model: Transformer, tokens: Tensor, return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: [B, T-1] float32.
+
+    return_hidden: also return the same forward's last hidden states [B, T, H] (ModelOutput.hidden,
+    after the final norm: the drafter's training input), so harvesting costs no extra pass.
+    """
+    out = model(tokens)
+    logits = out.logits[:, :-1].float()  # [B, T-1, V]
     target = tokens[:, 1:]
-    return logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return (lp, out.hidden) if return_hidden else lp
 
 
 class GRPOLearner:
@@ -92,6 +98,7 @@ class GRPOLearner:
         self.policy = policy
         self.cfg = cfg
         self.pad_id = pad_id
+        self.last_hidden: list[Tensor] | None = None  # see step(harvest_hidden=True)
         self.optimizer = torch.optim.AdamW(
             [p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0
         )
@@ -107,13 +114,25 @@ class GRPOLearner:
         return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
 
     @torch.no_grad()
-    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: slice) -> tuple[Tensor, Tensor]:
+    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: slice,
+                  hidden_out: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
         tokens, mask, _ = pad_sequences(batch.prompts[rows], batch.responses[rows], self.pad_id)
         tokens = tokens.to(model.device)
-        return token_logprobs(model, tokens).cpu(), mask
+        if hidden_out is None:
+            return token_logprobs(model, tokens).cpu(), mask
+        lp, hidden = token_logprobs(model, tokens, return_hidden=True)
+        for b, row in enumerate(range(rows.start, rows.stop)):  # unpadded [L, H] per row, fp16 on CPU
+            L = len(batch.prompts[row]) + len(batch.responses[row])
+            hidden_out.append(hidden[b, :L].to("cpu", torch.float16))
+        return lp.cpu(), mask
 
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One GRPO update on the step's samples; returns `learner/*` and `rollout/logprob_mismatch`."""
+    def step(self, batch: RolloutBatch, harvest_hidden: bool = False) -> dict[str, float]:
+        """One GRPO update on the step's samples; returns `learner/*` and `rollout/logprob_mismatch`.
+
+        harvest_hidden: keep the old-log-prob pass's hidden states in `self.last_hidden` (one
+        [len(prompt) + len(response), H] float16 CPU tensor per sample, aligned with prompt +
+        response tokens): the drafter buffer's input when the rollout engine returns none (vLLM).
+        """
         cfg = self.cfg
         n = len(batch.prompts)
         adv = group_advantages(torch.tensor(batch.rewards), batch.group_size)  # [N]
@@ -123,7 +142,8 @@ class GRPOLearner:
 
         # 1) old (and reference) log-probs with the policy as it was used for the rollout
         self.policy.eval()
-        old = [self._logprobs(self.policy, batch, c) for c in chunks]
+        self.last_hidden: list[Tensor] | None = [] if harvest_hidden else None
+        old = [self._logprobs(self.policy, batch, c, self.last_hidden) for c in chunks]
         ref = [self._logprobs(self.ref, batch, c)[0] for c in chunks] if self.ref is not None else None
 
         mismatch_sum, mismatch_n = 0.0, 0

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import random
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -274,6 +276,33 @@ class RolloutWorkerImpl:
             self._get_trainer()  # the optimizer's first construction imports a lot: not on the idle clock
         self._bandit = None
         self._record_cache: dict = {}
+        self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
+
+    def _engine(self):
+        """The vLLM engine over this worker's current weights, exported once to local folders."""
+        if self.engine is None:
+            from .export import export_drafter, export_policy
+
+            rc = self.cfg.rollout
+            root = Path(tempfile.mkdtemp(prefix=f"tlt-vllm-w{self.id}-"))
+            policy_dir = export_policy(self.policy, root / "policy")
+            drafter_dir = export_drafter(self.drafter, root / "drafter") if self.cfg.run.tlt else None
+            kw: dict[str, Any] = {"max_num_seqs": rc.vllm_max_num_seqs,
+                                  "max_model_len": min(self.policy.config.max_position_embeddings,
+                                                       rc.max_new_tokens + rc.vllm_max_prompt_len)}
+            if rc.vllm_gpu_memory_utilization is not None:
+                kw["gpu_memory_utilization"] = rc.vllm_gpu_memory_utilization
+            self.engine = self.engine_factory(self.cfg, policy_dir, drafter_dir, **kw)
+            log.info("worker %d: vLLM engine over %s (hidden states: %s)", self.id, root,
+                     getattr(self.engine, "returns_hidden", False))
+        return self.engine
+
+    @staticmethod
+    def engine_factory(cfg, policy_dir, drafter_dir, **kw):
+        """Builds the vLLM engine (tests put an object with the same small interface here)."""
+        from .vllm_engine import VllmRolloutEngine
+
+        return VllmRolloutEngine.from_config(cfg, policy_dir, drafter_dir, **kw)
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -284,6 +313,11 @@ class RolloutWorkerImpl:
                 self.policy.lm_head.weight = self.policy.model.embed_tokens.weight
         if drafter_state:
             self.drafter.load_state_dict(drafter_state)
+        if self.engine is not None:  # in place, no restart; the drafter after each step's spot training
+            if policy_state is not None:
+                self.engine.update_policy(self.policy)
+            if drafter_state and self.cfg.run.tlt:
+                self.engine.update_drafter(self.drafter)
         self._record_cache.clear()
         return True
 
@@ -311,14 +345,14 @@ class RolloutWorkerImpl:
     # --- a step -------------------------------------------------------------------------------
 
     def _generate(self, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool):
+        from .rollout import generate
         from .sampling import SamplingParams
 
         rc = self.cfg.rollout
         params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k)
-        try:
-            from .rollout import generate
-        except ImportError:  # the rollout engine has not landed: plain reference decoding, no SD
-            return _reference_generate(self.policy, prompts, params, rc.max_new_tokens, eos_ids, seed)
+        if rc.engine == "vllm":  # its own SD switch (dynamic by batch size) and EAGLE drafter
+            return self._engine().generate(prompts, params, max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids,
+                                           seed=seed)
         spec = self._spec_policy(tlt)
         if tlt and self._bandit is None:  # one bandit per worker, learning over the whole run
             self._bandit = spec.new_bandit(True, seed=self.cfg.run.seed + 1000 * self.id)
@@ -343,23 +377,26 @@ class RolloutWorkerImpl:
             "gen_start": gen_start,
             "gen_end": gen_end,
             "records": None,
+            "harvested": res.hidden is not None,  # False: the driver harvests from the learner's pass
             "drafter_intervals": [],
             "drafter_steps": 0,
         }
         if not tlt:
             return out
-        records = []
-        for p, toks, hid in zip(prompts, res.tokens, res.hidden or [None] * len(prompts)):
-            if hid is None or not len(toks):
-                continue
-            # hidden[i] is h_i for positions 0..L-2 (the last token was never fed to the target):
-            # keep the tokens those states belong to, so tokens and hidden align
-            seq = torch.tensor(list(p) + list(toks), dtype=torch.long)
-            records.append({"tokens": seq[: hid.shape[0]], "hidden": hid.to(torch.float16).cpu(),
-                            "response_start": len(p), "step": step})
-        ref = ray.put(records)
-        out["records"] = [ref]  # nested: the driver receives the reference, not the tensors
-        if _call(self.coordinator, "report_done", self.id, [ref]):
+        refs = []
+        if res.hidden is not None:
+            records = []
+            for p, toks, hid in zip(prompts, res.tokens, res.hidden):
+                if not len(toks):
+                    continue
+                # hidden[i] is h_i for positions 0..L-2 (the last token was never fed to the target):
+                # keep the tokens those states belong to, so tokens and hidden align
+                seq = torch.tensor(list(p) + list(toks), dtype=torch.long)
+                records.append({"tokens": seq[: hid.shape[0]], "hidden": hid.to(torch.float16).cpu(),
+                                "response_start": len(p), "step": step})
+            refs = [ray.put(records)]
+            out["records"] = refs  # nested: the driver receives the reference, not the tensors
+        if _call(self.coordinator, "report_done", self.id, refs):
             intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
                                           self.cfg.drafter.batch_tokens, record_cache=self._record_cache)
             out["drafter_intervals"] = intervals
@@ -368,20 +405,3 @@ class RolloutWorkerImpl:
 
 
 RolloutWorker = ray.remote(num_cpus=1)(RolloutWorkerImpl)
-
-
-def _reference_generate(policy, prompts, params, max_new_tokens, eos_ids, seed):
-    """Stand-in until rollout.py lands: sft.generate, no hidden states, no SD metrics."""
-    from types import SimpleNamespace
-
-    from .sft import generate
-
-    t = time.time()
-    tokens = generate(policy, prompts, max_new_tokens, eos_ids, temperature=params.temperature, seed=seed)
-    wall = time.time() - t
-    eos = set(eos_ids)
-    return SimpleNamespace(
-        tokens=tokens, logprobs=[[] for _ in tokens], lengths=[len(x) for x in tokens],
-        finished=[bool(x) and x[-1] in eos for x in tokens], hidden=[None] * len(tokens),
-        metrics={"wall_s": wall, "tokens": sum(len(x) for x in tokens)},
-    )

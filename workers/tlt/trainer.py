@@ -232,12 +232,13 @@ class Trainer:
     """Builds the run's models and actors and runs its steps (see the module doc)."""
 
     def __init__(self, cfg: TLTConfig, out: str | Path, tracking: Tracking, resume: bool = False,
-                 progress: Callable[[int, dict[str, float]], None] | None = None):
+                 progress: Callable[[int, dict[str, float]], None] | None = None, worker_actor: Any = None):
         self.cfg = cfg
         self.out = Path(out)
         self.tracking = tracking
         self.resume = resume
         self.progress = progress
+        self.worker_actor = worker_actor  # Ray actor class of rollout workers (default ray_workers.RolloutWorker)
         self.tlt = cfg.run.tlt
         self.device = resolve_device(cfg)
         self.step = 0
@@ -248,6 +249,7 @@ class Trainer:
         self.acct = Accounting()
         self.history: list[StepOutput] = []
         self._stop_requested = False
+        self._records_from_learner = cfg.rollout.engine == "vllm"  # set from the workers after each step
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -304,8 +306,9 @@ class Trainer:
         self.coordinator = Coordinator.remote(W, seed=self.cfg.run.seed)
         gpu = self.device == "cuda"
         opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 1}
+        actor = self.worker_actor or RolloutWorker
         self.workers = [
-            RolloutWorker.options(**opts).remote(i, self.policy.config, self.cfg, self.coordinator,
+            actor.options(**opts).remote(i, self.policy.config, self.cfg, self.coordinator,
                                                  device="cuda" if gpu else "cpu", threads=1)
             for i in range(W)
         ]
@@ -378,14 +381,15 @@ class Trainer:
         ray.get([w.load_weights.remote(pref, dref) for w in self.workers])
 
     def _prev_records_ref(self):
-        """Previous step's long responses (upper half by length) from the online buffer."""
+        """Previous step's long responses (upper half by length) from the online buffer; all of
+        them when the rollout engine harvests nothing (this step's records then come too late)."""
         if not self.buffer.records:
             return []
         last = max(r.step for r in self.buffer.records)
         recs = [r for r in self.buffer.records if r.step == last]
         if not recs:
             return []
-        median = float(np.median([len(r) for r in recs]))
+        median = 0.0 if self._records_from_learner else float(np.median([len(r) for r in recs]))
         keep = [r for r in recs if len(r) >= median]
         return [ray.put([{"tokens": r.tokens, "hidden": r.hidden, "response_start": r.response_start,
                           "step": r.step} for r in keep])]
@@ -432,13 +436,21 @@ class Trainer:
         with self.acct.phase("reward"):
             rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
 
+        # an engine without hidden states (vLLM): the learner's old-log-prob pass computes them anyway
+        from_learner = self.tlt and not all(r["harvested"] for r in results)
+        self._records_from_learner = from_learner
         with self.acct.phase("learner"):
             batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
                                  rollout_logprobs=logprobs)
-            learner_metrics = self.learner.step(batch)
+            learner_metrics = self.learner.step(batch, harvest_hidden=from_learner)
 
         with self.acct.phase("buffer"):
-            if self.tlt:
+            if from_learner:  # they reach the coordinator with the next step's begin_step
+                for prompt, resp, hid in zip(rows, tokens, self.learner.last_hidden or []):
+                    if resp:
+                        self.buffer.add(list(prompt) + list(resp), hid, len(prompt), step)
+                self.learner.last_hidden = None
+            elif self.tlt:
                 for res in results:
                     for ref in res["records"] or []:
                         for r in ray.get(ref):
