@@ -8,10 +8,11 @@ the step's responses and rewards by the driver and returns its metrics:
                          group_size=cfg.rollout.samples_per_prompt, rollout_logprobs=logprobs)
     metrics = learner.step(batch)   # {"learner/loss": ..., "learner/grad_norm": ..., ...}
 
-Per RL step the learner (1) recomputes the old log-probs of every response token with the current
-policy (the rollout engine's log-probs are only compared with them, `rollout/logprob_mismatch`,
-since an engine may compute them in another precision or kernel), (2) computes the loss in
-micro-batches of `grpo.micro_batch` sequences, accumulating gradients so that the loss is the mean
+Per RL step the learner (1) takes the old log-probs of every response token from its own forward
+pass, detached (one optimizer step per batch from the rollout's policy: they equal a separate
+scoring pass); the rollout engine's log-probs are only compared with them,
+`rollout/logprob_mismatch`, since an engine may compute them in another precision or kernel, (2)
+computes the loss in micro-batches of `grpo.micro_batch` sequences, accumulating gradients so that the loss is the mean
 over every response token of the step (token-mean aggregation), (3) clips the global gradient
 norm and takes one AdamW step. Samples of a prompt are contiguous: rows g*n .. g*n+n-1.
 """
@@ -114,22 +115,14 @@ class GRPOLearner:
         return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
 
     @torch.no_grad()
-    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: slice,
-                  hidden_out: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        tokens, mask, _ = pad_sequences(batch.prompts[rows], batch.responses[rows], self.pad_id)
-        tokens = tokens.to(model.device)
-        if hidden_out is None:
-            return token_logprobs(model, tokens).cpu(), mask
-        lp, hidden = token_logprobs(model, tokens, return_hidden=True)
-        for b, row in enumerate(range(rows.start, rows.stop)):  # unpadded [L, H] per row, fp16 on CPU
-            L = len(batch.prompts[row]) + len(batch.responses[row])
-            hidden_out.append(hidden[b, :L].to("cpu", torch.float16))
-        return lp.cpu(), mask
+    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: slice) -> Tensor:
+        tokens, _, _ = pad_sequences(batch.prompts[rows], batch.responses[rows], self.pad_id)
+        return token_logprobs(model, tokens.to(model.device)).cpu()
 
     def step(self, batch: RolloutBatch, harvest_hidden: bool = False) -> dict[str, float]:
         """One GRPO update on the step's samples; returns `learner/*` and `rollout/logprob_mismatch`.
 
-        harvest_hidden: keep the old-log-prob pass's hidden states in `self.last_hidden` (one
+        harvest_hidden: keep the forward pass's hidden states in `self.last_hidden` (one
         [len(prompt) + len(response), H] float16 CPU tensor per sample, aligned with prompt +
         response tokens): the drafter buffer's input when the rollout engine returns none (vLLM).
         """
@@ -139,35 +132,35 @@ class GRPOLearner:
         chunks = self._micro_batches(n)
         total_tokens = float(sum(len(r) for r in batch.responses))
         denom = max(total_tokens, 1.0)
+        # Old log-probs: the policy is unchanged since the rollout and takes ONE optimizer step on
+        # this batch, so they are exactly the training forward's own log-probs, detached (ratio 1,
+        # the same gradient): no separate scoring pass. The frozen reference needs its own.
+        ref = [self._logprobs(self.ref, batch, c) for c in chunks] if self.ref is not None else None
+        self.last_hidden = [] if harvest_hidden else None
 
-        # 1) old (and reference) log-probs with the policy as it was used for the rollout
-        self.policy.eval()
-        self.last_hidden: list[Tensor] | None = [] if harvest_hidden else None
-        old = [self._logprobs(self.policy, batch, c, self.last_hidden) for c in chunks]
-        ref = [self._logprobs(self.ref, batch, c)[0] for c in chunks] if self.ref is not None else None
-
-        mismatch_sum, mismatch_n = 0.0, 0
-        if batch.rollout_logprobs is not None:
-            for (lp, mask), c in zip(old, chunks):
-                for b, row in enumerate(range(c.start, c.stop)):
-                    rl = batch.rollout_logprobs[row]
-                    if not rl:
-                        continue
-                    sel = lp[b][mask[b] > 0][: len(rl)]
-                    mismatch_sum += float((sel - torch.tensor(rl[: len(sel)], dtype=torch.float32)).abs().sum())
-                    mismatch_n += len(sel)
-
-        # 2) loss in micro-batches, gradients accumulated as a token-mean over the whole step
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = kl_sum = clipped = 0.0
+        loss_sum = kl_sum = clipped = mismatch_sum = 0.0
+        mismatch_n = 0
         device = self.policy.device
         for i, c in enumerate(chunks):
-            old_lp, mask = old[i]
-            tokens, _, _ = pad_sequences(batch.prompts[c], batch.responses[c], self.pad_id)
-            tokens, mask, old_lp = tokens.to(device), mask.to(device), old_lp.to(device)
+            tokens, mask, _ = pad_sequences(batch.prompts[c], batch.responses[c], self.pad_id)
+            tokens, mask = tokens.to(device), mask.to(device)
             a = adv[c].to(device)[:, None]  # [b, 1]
-            lp = token_logprobs(self.policy, tokens)  # [b, T-1]
+            lp, hidden = token_logprobs(self.policy, tokens, return_hidden=True)  # [b, T-1], [b, T, H]
+            old_lp = lp.detach()
+            if self.last_hidden is not None:  # unpadded [L, H] per row, fp16 on CPU
+                for b, row in enumerate(range(c.start, c.stop)):
+                    L = len(batch.prompts[row]) + len(batch.responses[row])
+                    self.last_hidden.append(hidden[b, :L].detach().to("cpu", torch.float16))
+            if batch.rollout_logprobs is not None:  # the engine's log-probs vs ours
+                for b, row in enumerate(range(c.start, c.stop)):
+                    rl = batch.rollout_logprobs[row]
+                    if not len(rl):
+                        continue
+                    sel = old_lp[b][mask[b] > 0][: len(rl)].float().cpu()
+                    mismatch_sum += float((sel - torch.as_tensor(rl[: len(sel)], dtype=torch.float32)).abs().sum())
+                    mismatch_n += len(sel)
             ratio = torch.exp(lp - old_lp)
             surr1 = ratio * a
             surr2 = torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * a

@@ -370,10 +370,10 @@ class RolloutWorkerImpl:
         out: dict[str, Any] = {
             "worker": self.id,
             "tokens": [list(map(int, t)) for t in res.tokens],
-            "logprobs": [lp.tolist() if hasattr(lp, "tolist") else list(lp) for lp in res.logprobs],
+            "logprobs": [lp.tolist() for lp in res.logprobs],
             "lengths": [int(n) for n in res.lengths],
             "finished": [bool(f) for f in res.finished],
-            "metrics": res.metrics.to_dict() if hasattr(res.metrics, "to_dict") else dict(res.metrics),
+            "metrics": res.metrics.to_dict(),
             "gen_start": gen_start,
             "gen_end": gen_end,
             "records": None,

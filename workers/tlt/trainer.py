@@ -14,7 +14,8 @@ One step:
              finishes reports idle to the coordinator and trains the drafter on the online buffer
              until the last worker finishes, which preempts every drafter update in flight
     reward   the task scores every response
-    learner  GRPO update in this process (old log-probs recomputed here)
+    learner  GRPO update in this process (its forward gives the old log-probs, and the hidden states
+             when the rollout engine returns none)
     buffer   this step's harvested (tokens, hidden) records join the online buffer
     + metrics (rollout/*, spec/*, drafter/*, idle/*, timing_s/*, learner/*) and checkpoints
 
@@ -470,9 +471,7 @@ class Trainer:
         scalars.update(learner_metrics)
         scalars.update(idle_scalars)
         scalars.update({"drafter/loss": 0.0, "drafter/accuracy": 0.0})
-        scalars.update(drafter_stats)
-        if "drafter/steps" in drafter_stats:
-            scalars["drafter/steps"] = drafter_stats["drafter/steps"]
+        scalars.update(drafter_stats)  # the coordinator's drafter/steps counts whole updates only
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
         scalars.update(self.acct.timings())
