@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,12 @@ def _ray_up(address: str) -> bool:
         return False
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """The Ray job API at RAY_ADDRESS; starts a local head (and stops it) when none answers."""
@@ -143,7 +150,8 @@ def ray_head():
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--port", "6380", "--dashboard-port", "8265",
-         "--num-cpus", "2", "--disable-usage-stats"],
+         # a free job-agent port: the default 52365 may be held by another Ray on this host
+         "--dashboard-agent-listen-port", str(_free_port()), "--num-cpus", "2", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     deadline = time.monotonic() + 120
