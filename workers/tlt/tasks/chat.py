@@ -12,10 +12,14 @@ pass `chat_format` (messages -> text) for a model with another template.
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 from typing import Callable
 
 from tokenizers import Tokenizer
+
+from workers.tlt.tasks.base import Prompt, cut_at_eos
+from workers.tlt.tasks.checker import answers_match
 
 log = logging.getLogger(__name__)
 
@@ -88,3 +92,39 @@ class ChatPrompter:
 
     def decode(self, response_ids: list[int]) -> str:
         return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+
+
+class ChatTask:
+    """Shared body of the chat-formatted tasks: prompts from (question, answer) pairs, graded by
+    the final-answer checker. Subclasses only say how to draw the pairs (`_draw`)."""
+
+    name = "chat"
+
+    def __init__(self, tokenizer: Tokenizer | str | Path, chat_format: ChatFormat | None = None):
+        self._prompter = ChatPrompter(tokenizer, chat_format)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._prompter.tokenizer
+
+    @property
+    def eos_id(self) -> int:
+        return self._prompter.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self._prompter.pad_id
+
+    def _draw(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def sample_prompts(self, n: int, rng: random.Random) -> list[Prompt]:
+        prompts = []
+        for question, answer in self._draw(n, rng):
+            text, ids = self._prompter(question)
+            prompts.append(Prompt(text=text, ids=ids, answer=str(answer)))
+        return prompts
+
+    def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
+        text = self._prompter.decode(cut_at_eos(response_ids, self.eos_id))
+        return 1.0 if answers_match(text, prompt.answer) else 0.0

@@ -19,9 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from workers.tlt.tasks.base import Prompt, cut_at_eos
-from workers.tlt.tasks.chat import ChatFormat, ChatPrompter
-from workers.tlt.tasks.checker import answers_match
+from workers.tlt.tasks.chat import ChatFormat, ChatTask
 
 log = logging.getLogger(__name__)
 
@@ -67,36 +65,15 @@ def load_jsonl(path: str | Path) -> list[tuple[str, str]]:
     return rows
 
 
-class JsonlTask:
+class JsonlTask(ChatTask):
     """Prompts from a user's JSONL file; reward 1.0 when the final answer matches."""
 
     name = "jsonl"
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer | str | Path, chat_format: ChatFormat | None = None):
         self.rows = load_jsonl(path)  # validated up front: a bad line fails the launch, not step 40
-        self._prompter = ChatPrompter(tokenizer, chat_format)
+        super().__init__(tokenizer, chat_format)
 
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._prompter.tokenizer
-
-    @property
-    def eos_id(self) -> int:
-        return self._prompter.eos_id
-
-    @property
-    def pad_id(self) -> int:
-        return self._prompter.pad_id
-
-    def sample_prompts(self, n: int, rng: random.Random) -> list[Prompt]:
-        """`n` rows drawn with `rng`: without repeats while the file has enough, else with."""
-        picked = rng.sample(self.rows, n) if n <= len(self.rows) else rng.choices(self.rows, k=n)
-        prompts = []
-        for question, answer in picked:
-            text, ids = self._prompter(question)
-            prompts.append(Prompt(text=text, ids=ids, answer=answer))
-        return prompts
-
-    def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
-        text = self._prompter.decode(cut_at_eos(response_ids, self.eos_id))
-        return 1.0 if answers_match(text, prompt.answer) else 0.0
+    def _draw(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        # without repeats while the file has enough rows, else with
+        return rng.sample(self.rows, n) if n <= len(self.rows) else rng.choices(self.rows, k=n)

@@ -13,14 +13,10 @@ model gets only some right (so GRPO groups have reward variance), easy to check 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Callable
 
-from tokenizers import Tokenizer
 
-from workers.tlt.tasks.base import Prompt, cut_at_eos
-from workers.tlt.tasks.chat import ChatFormat, ChatPrompter
-from workers.tlt.tasks.checker import answers_match
+from workers.tlt.tasks.chat import ChatTask
 
 NAMES = ["Tom", "Mia", "Sara", "Ben", "Lily", "Omar", "Ana", "Leo", "Nina", "Sam"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "shells", "cards"]
@@ -110,35 +106,11 @@ def make_question(rng: random.Random) -> tuple[str, int]:
     return rng.choice(TEMPLATES)(rng)
 
 
-class MathTask:
+class MathTask(ChatTask):
     """Word problems in the model's chat format; reward 1.0 when the final number is right."""
 
     name = "math"
 
-    def __init__(self, tokenizer: Tokenizer | str | Path, chat_format: ChatFormat | None = None):
-        self._prompter = ChatPrompter(tokenizer, chat_format)
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._prompter.tokenizer
-
-    @property
-    def eos_id(self) -> int:
-        return self._prompter.eos_id
-
-    @property
-    def pad_id(self) -> int:
-        return self._prompter.pad_id
-
-    def sample_prompts(self, n: int, rng: random.Random) -> list[Prompt]:
-        """`n` fresh problems drawn with `rng` (same seed, same prompts)."""
-        prompts = []
-        for _ in range(n):
-            question, answer = make_question(rng)
-            text, ids = self._prompter(question)
-            prompts.append(Prompt(text=text, ids=ids, answer=str(answer)))
-        return prompts
-
-    def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
-        text = self._prompter.decode(cut_at_eos(response_ids, self.eos_id))
-        return 1.0 if answers_match(text, prompt.answer) else 0.0
+    def _draw(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        # fresh problems drawn with `rng`: same seed, same prompts
+        return [make_question(rng) for _ in range(n)]
