@@ -34,7 +34,8 @@ log = logging.getLogger("workers.tlt.bench")
 # --- e2e --------------------------------------------------------------------------------------
 
 
-def _train(cfg, out: Path) -> list[dict[str, float]]:
+def _train(cfg, out: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Run one config; returns every step's scalars and the setup seconds (policy, drafter_warmup, actors)."""
     from .metrics import ConsoleSink, JsonlSink, Tracking
     from .trainer import Trainer
 
@@ -43,7 +44,7 @@ def _train(cfg, out: Path) -> list[dict[str, float]]:
     try:
         trainer.setup()
         trainer.run()
-        return [h.scalars for h in trainer.history]
+        return [h.scalars for h in trainer.history], dict(trainer.setup_s)
     finally:
         trainer.close()
         tracking.close()
@@ -67,25 +68,37 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     if steps is not None:
         data["run"]["steps"] = steps
     data["run"]["checkpoint_interval"] = 0
+    load_start = os.getloadavg()
     started = ensure_ray(num_cpus=max(data["rollout"]["num_workers"], os.cpu_count() or 1))
     try:
-        runs = {}
+        runs, setup, wall = {}, {}, {}
         for name, tlt in (("baseline", False), ("tlt", True)):
             d = json.loads(json.dumps(data))
             d["run"]["tlt"] = tlt
             t = time.perf_counter()
-            runs[name] = _train(load_config(d), out / name)
-            log.info("%s: %d steps in %.1fs", name, len(runs[name]), time.perf_counter() - t)
+            runs[name], setup[name] = _train(load_config(d), out / name)
+            wall[name] = time.perf_counter() - t
+            log.info("%s: %d steps in %.1fs (setup %s)", name, len(runs[name]), wall[name],
+                     {k: round(v, 1) for k, v in setup[name].items()})
     finally:
         if started:
             ray.shutdown()
     b, t = runs["baseline"], runs["tlt"]
     skip = warm_skip if len(b) > warm_skip else 0  # the first step pays one-off warm-up costs
     base_step, tlt_step = _mean(b, "timing_s/step", skip), _mean(t, "timing_s/step", skip)
+    # where the step time goes (mean seconds per step, after the skipped warm-up steps)
+    phases = ("sync", "rollout", "reward", "learner", "buffer")
+    profile = {name: {p: round(_mean(rows, f"timing_s/{p}", skip), 4) for p in phases}
+               for name, rows in runs.items()}
+    for name, rows in runs.items():
+        profile[name]["rollout_tail"] = round(_mean(rows, "rollout/tail_s", skip), 4)
     return {
         "bench": "e2e",
         "preset": preset_name,
         "steps": len(t),
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
         "e2e_speedup": base_step / tlt_step if tlt_step > 0 else 0.0,
         "step_s_baseline": base_step,
         "step_s_tlt": tlt_step,
@@ -102,6 +115,13 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "reward_by_step_tlt": [round(r["reward/mean"], 4) for r in t],
         "reward_by_step_baseline": [round(r["reward/mean"], 4) for r in b],
         "drafter_steps_tlt": sum(r.get("drafter/steps", 0.0) for r in t),
+        "drafter_accuracy_by_step": [round(r.get("drafter/accuracy", 0.0), 3) for r in t],
+        "len_max_by_step": [int(r.get("rollout/len_max", 0)) for r in t],
+        "profile_s": profile,
+        # one-off costs outside the steps: the SFT'd policy (cached after the first run), the TLT
+        # drafter's offline warm-up, actor start; and each run's whole wall time, setup included
+        "setup_s": {name: {k: round(v, 2) for k, v in s.items()} for name, s in setup.items()},
+        "wall_s": {name: round(v, 1) for name, v in wall.items()},
     }
 
 
@@ -119,13 +139,17 @@ def cmd_e2e(args: argparse.Namespace) -> int:
 
 
 def add_rollout_parser(sub: argparse._SubParsersAction) -> None:
+    from .bench_rollout import add_arguments
+
     p = sub.add_parser("rollout", help="rollout engine: SD vs plain decoding in the tail")
+    add_arguments(p)
     p.set_defaults(func=cmd_rollout)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    print(json.dumps({"bench": "rollout", "error": "not implemented yet"}), flush=True)
-    return 2
+    from .bench_rollout import cmd_rollout as run_rollout  # lazy: torch + transformers only
+
+    return run_rollout(args)
 
 
 # --- entry ------------------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""The rollout benchmark end to end on the tiny model with tiny settings: JSON keys, losslessness, cache."""
+
+import json
+
+import pytest
+import torch
+
+from workers.tlt import bench
+
+KEYS = {"tail_tokens_per_s_sd", "tail_tokens_per_s_no_sd", "tail_speedup", "acceptance_length",
+        "engine_vs_hf_generate", "greedy_identical", "drafter_train_top1", "drafter_heldout_top1",
+        "rollout_greedy_identical", "rollout_speedup"}
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _run(capsys, cache, *extra):
+    argv = ["rollout", "--model", "tiny", "--sft-steps", "3", "--cache-dir", str(cache), "--threads", "1",
+            "--train-prompts", "8", "--train-steps", "3", "--gen-batch", "8", "--tail-prompts", "1",
+            "--rollout-prompts", "4", "--max-new-tokens", "24", "--arm", "d3k2v6", "--draft-vocab", "8", *extra]
+    rc = bench.main(argv)
+    out = capsys.readouterr().out.strip().splitlines()
+    return rc, json.loads(out[-1])
+
+
+def test_rollout_bench_runs_end_to_end_and_sd_is_lossless(tmp_path, capsys):
+    rc, res = _run(capsys, tmp_path)
+    assert KEYS <= set(res), KEYS - set(res)
+    assert rc == 0
+    assert res["greedy_identical"] is True and res["rollout_greedy_identical"] is True
+    assert res["drafter_cached"] is False and res["acceptance_length"] >= 1.0
+    rc, again = _run(capsys, tmp_path, "--rollout-prompts", "0", "--no-hf")
+    assert rc == 0 and again["drafter_cached"] is True and again["greedy_identical"] is True
+    assert again["engine_vs_hf_generate"] is None

@@ -1,0 +1,503 @@
+"""Rollout-engine benchmark: speculative decoding vs plain decoding in the long tail.
+
+    python -m workers.tlt.bench rollout [--model smollm2|tiny] [--device cpu|cuda] [--dtype float32|bfloat16]
+                                        [--threads 2] [--arm d6k1v6] [--draft-vocab 4096] [--retrain] ...
+
+What it does, in one process on one machine:
+
+1. Loads the policy (SmolLM2-135M-Instruct, converted once by smollm2.py, with the math word-problem
+   task; or the SFT'd tiny model with the long-tail task) with our engine AND with transformers.
+2. Adapts an EAGLE drafter to the policy the way TLT does: the policy answers TRAINING prompts of the
+   task (the engine harvests its hidden states), the drafter trains on those whole responses
+   (AdamW, warm-up + cosine lr, SmoothL1 on the next hidden state + soft cross-entropy on the
+   next-token distribution). The trained weights and the token frequencies of the training
+   responses (which pick the reduced draft vocabulary) are cached under var/bench/, keyed by model
+   and settings, so re-runs skip training (--retrain forces it).
+3. Benchmarks on HELD-OUT prompts (another seed), greedy, batch 1, i.e. the tail regime (running
+   sequences below the SD threshold): each prompt without SD and with SD (a forced arm), tokens/s
+   of the decode steps; outputs must match token for token. transformers' `generate()` runs the
+   same prompts on the same weights (greedy, same max_new_tokens) for the engine-vs-HF figure.
+   With --rollout-prompts N > 0 it also runs the whole long-tail rollout (N prompts in one batch,
+   SD switching on when running <= --threshold, bandit-chosen arms) with and without SD.
+
+Progress goes to stderr; the LAST stdout line is one JSON object (keys in `run`'s docstring).
+Needs only torch, transformers, safetensors, tokenizers and this package (no Ray, Django, vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("workers.tlt.bench_rollout")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CACHE_VERSION = 2  # bump when the training recipe changes, so cached drafters are retrained
+
+DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
+    "smollm2": dict(max_new_tokens=256, train_prompts=96, train_steps=500, batch_tokens=1536, lr=1e-3,
+                    gen_batch=32, tail_prompts=4, arm="d6k1v6", draft_vocab=4096, train_vocab=8192,
+                    rollout_prompts=0, threshold=4),
+    "tiny": dict(max_new_tokens=192, train_prompts=256, train_steps=300, batch_tokens=2048, lr=2e-3,
+                 gen_batch=64, tail_prompts=4, arm="d6k1v6", draft_vocab=0, train_vocab=0,
+                 rollout_prompts=32, threshold=8),
+}
+
+
+# --- model and task -------------------------------------------------------------------------------
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _tiny_folder(args: argparse.Namespace) -> Path:
+    """The SFT'd tiny policy: the trainer's cached one (tiny-cpu preset) if present, else train one."""
+    from .config import preset  # pydantic: only the tiny path needs it
+
+    cfg = preset("tiny-cpu")
+    m = cfg.model
+    sft_steps = args.sft_steps if args.sft_steps is not None else m.sft_steps
+    if args.sft_steps is None:  # same key as trainer.tiny_model_key (kept import-free of Ray)
+        data = {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv": m.num_kv_heads,
+                "sft_steps": m.sft_steps, "seed": cfg.run.seed, "task": cfg.task.kind, "v": 1}
+        key = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+        models = Path(os.environ.get("TLT_MODEL_CACHE") or REPO_ROOT / "var" / "models")
+        folder = models / f"tiny-{key}"
+        if (folder / "model.safetensors").exists():
+            return folder
+    folder = Path(args.cache_dir) / f"tiny-sft{sft_steps}-seed{cfg.run.seed}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    from .sft import train_tiny_longtail
+
+    log.info("training the tiny policy (%d SFT steps) into %s", sft_steps, folder)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    train_tiny_longtail(m, sft_steps, out=tmp, seed=cfg.run.seed)
+    try:
+        tmp.rename(folder)
+    except OSError:
+        pass
+    return folder
+
+
+def load_policy(args: argparse.Namespace):
+    """(model folder, our Transformer, task, eos ids)."""
+    from .model import Transformer
+    from .tasks import make_task
+
+    if args.model == "smollm2":
+        if args.model_path:
+            folder = Path(args.model_path)
+        else:
+            from .smollm2 import ensure_smollm2
+
+            folder = ensure_smollm2(REPO_ROOT / "var" / "models" / "smollm2-135m")
+        task = make_task("math", tokenizer=folder)
+    else:
+        folder = Path(args.model_path) if args.model_path else _tiny_folder(args)
+        task = make_task("longtail")
+    model = Transformer.from_pretrained(folder, dtype=_dtype(args.dtype), device=args.device).eval()
+    eos = sorted(set(model.config.eos_ids) | {task.eos_id})
+    return folder, model, task, eos
+
+
+# --- the adapted drafter --------------------------------------------------------------------------
+
+def _cache_key(folder: Path, args: argparse.Namespace) -> str:
+    st = [(f.name, f.stat().st_size) for f in sorted(folder.glob("*.safetensors"))]
+    data = {"model": args.model, "folder": folder.name, "weights": st,
+            "config": json.loads((folder / "config.json").read_text()), "dtype": args.dtype,
+            "train_prompts": args.train_prompts, "train_seed": args.train_seed, "steps": args.train_steps,
+            "batch_tokens": args.batch_tokens, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.train_temperature, "train_vocab": args.train_vocab,
+            "token_weight": args.token_weight, "v": CACHE_VERSION}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _loss(drafter, batch, head_w, token_weight: float):
+    """EAGLE loss on a buffer batch; the soft CE runs over the training vocabulary `sub` (None: all)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev, dt = drafter.fc.weight.device, drafter.fc.weight.dtype
+    hidden = batch.hidden.to(device=dev, dtype=dt)
+    tokens = batch.tokens.to(dev)
+    mask = batch.mask[:, :-1].to(dev)
+    pred = drafter(hidden[:, :-1], tokens[:, 1:])[mask].float()
+    true = hidden[:, 1:][mask].float()
+    hidden_loss = F.smooth_l1_loss(pred, true)
+    w = head_w.float()
+    with torch.no_grad():
+        t_logits = F.linear(true, w)
+        t_p = t_logits.softmax(-1)
+        t_top = t_logits.argmax(-1)
+    p_logits = F.linear(pred, w)
+    token_loss = -(t_p * p_logits.log_softmax(-1)).sum(-1).mean()
+    with torch.no_grad():
+        hit = p_logits.argmax(-1) == t_top  # top-1 agreement within the training vocabulary
+    return hidden_loss + token_weight * token_loss, float(hit.float().mean()), int(pred.shape[0])
+
+
+def _generate_pairs(model, prompts, args, eos, seed: int):
+    """The policy's own responses with harvested hidden states: [(tokens, hidden [L, H], prompt_len)]."""
+    from .rollout import generate
+    from .sampling import SamplingParams
+
+    out = []
+    params = SamplingParams(temperature=args.train_temperature)
+    for i in range(0, len(prompts), args.gen_batch):
+        chunk = prompts[i:i + args.gen_batch]
+        t = time.perf_counter()
+        res = generate(model, chunk, params, max_new_tokens=args.max_new_tokens, eos_ids=eos, seed=seed + i,
+                       harvest_hidden=True, hidden_dtype=_dtype("float32"))
+        for p, toks, hid in zip(chunk, res.tokens, res.hidden):
+            seq = list(p) + list(toks)
+            out.append((seq[:hid.shape[0]], hid, len(p)))  # hidden[i] pairs with token i + 1
+        log.info("generated %d/%d training responses (%d tokens, %.1f s)", min(i + args.gen_batch, len(prompts)),
+                 len(prompts), res.metrics.total_tokens, time.perf_counter() - t)
+    return out
+
+
+def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
+    """Train (or load from the cache) the drafter on the policy's answers to training prompts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .buffer import DrafterBuffer
+    from .drafter import Drafter
+
+    V = model.config.vocab_size
+    cache = Path(args.cache_dir) / f"drafter-{args.model}-{_cache_key(folder, args)}"
+    drafter = Drafter.for_target(model)
+    if not args.retrain and (cache / "info.json").exists():
+        drafter.load_state_dict({k: v.to(model.device, model.dtype) for k, v in
+                                 load_file(str(cache / "drafter.safetensors")).items()})
+        drafter.token_counts = load_file(str(cache / "token_counts.safetensors"))["counts"]
+        info = json.loads((cache / "info.json").read_text())
+        log.info("loaded the adapted drafter from %s (trained %d steps, top-1 %.3f)", cache, info["steps"],
+                 info["train_top1"])
+        return drafter.eval(), {**info, "cached": True, "cache": str(cache)}
+
+    t0 = time.perf_counter()
+    prompts = [p.ids for p in task.sample_prompts(args.train_prompts, random.Random(args.train_seed))]
+    pairs = _generate_pairs(model, prompts, args, eos, seed=args.train_seed)
+    gen_s = time.perf_counter() - t0
+    counts = torch.zeros(V, dtype=torch.float64)
+    buf = DrafterBuffer(max_tokens=10 ** 9)
+    for toks, hid, plen in pairs:
+        counts += torch.bincount(torch.tensor(toks[plen:], dtype=torch.long), minlength=V).double()[:V]
+        buf.add(toks, hid, response_start=plen, step=0)
+    head_w = model.lm_head.weight.detach()
+    sub = None
+    if args.train_vocab and args.train_vocab < V:
+        from .speculative import draft_vocab_ids
+
+        sub = draft_vocab_ids(counts, args.train_vocab, eos).to(model.device)
+        head_w = head_w.index_select(0, sub)
+    n_resp = int(sum(len(t) - p for t, _, p in pairs))
+    log.info("training the drafter: %d responses, %d response tokens, %d steps of %d tokens", len(pairs), n_resp,
+             args.train_steps, args.batch_tokens)
+
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(args.train_seed)
+    step, t1 = 0, time.perf_counter()
+    accs: list[tuple[float, int]] = []
+    warm = max(1, args.train_steps // 20)
+    while step < args.train_steps:
+        for batch in buf.batches(args.batch_tokens, rng):
+            if step >= args.train_steps:
+                break
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, args.train_steps, args.lr, warm)
+            loss, acc, n = _loss(drafter, batch, head_w, args.token_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            accs.append((acc, n))
+            step += 1
+            if step % 25 == 0 or step == args.train_steps:
+                recent = accs[-25:]
+                log.info("drafter step %d/%d  loss %.4f  top-1 %.3f  (%.2f s/step)", step, args.train_steps,
+                         loss.item(), sum(a * n for a, n in recent) / max(1, sum(n for _, n in recent)),
+                         (time.perf_counter() - t1) / step)
+    drafter.eval()
+    last = accs[-max(1, len(accs) // 10):]
+    info = {"steps": step, "train_top1": sum(a * n for a, n in last) / max(1, sum(n for _, n in last)),
+            "train_responses": len(pairs), "train_response_tokens": n_resp, "generate_s": round(gen_s, 1),
+            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": args.train_vocab}
+    drafter.token_counts = counts.float()
+    cache.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
+              str(cache / "drafter.safetensors"))
+    save_file({"counts": drafter.token_counts.contiguous()}, str(cache / "token_counts.safetensors"))
+    (cache / "info.json").write_text(json.dumps(info, indent=2))
+    log.info("drafter trained in %.0f s, cached in %s", time.perf_counter() - t0, cache)
+    return drafter, {**info, "cached": False, "cache": str(cache)}
+
+
+def heldout_top1(drafter, seqs, draft_ids) -> dict[str, float]:
+    """Step-1 top-1 agreement of drafter and target on held-out responses (true inputs), and how
+    often the target's token lies in the draft vocabulary."""
+    import torch
+
+    hit = cover = n = 0
+    with torch.inference_mode():
+        W = drafter.target.lm_head.weight
+        for toks, hid, plen in seqs:
+            if hid.shape[0] < plen + 1:
+                continue
+            h = hid.to(W.device, W.dtype)
+            x = torch.tensor(toks[1:hid.shape[0]], device=W.device)[None]
+            if x.shape[1] < h.shape[0]:
+                h = h[:x.shape[1]]
+            pred = drafter(h[None], x)[0, plen - 1:-1]
+            true = h[plen:]
+            t_top = drafter.logits(true).argmax(-1)
+            if draft_ids is not None:
+                ids = draft_ids.to(W.device)
+                p_top = ids[torch.nn.functional.linear(pred, W.index_select(0, ids)).argmax(-1)]
+                cover += int(torch.isin(t_top, ids).sum())
+            else:
+                p_top = drafter.logits(pred).argmax(-1)
+                cover += int(t_top.numel())
+            hit += int((p_top == t_top).sum())
+            n += int(t_top.numel())
+    return {"heldout_top1": hit / max(1, n), "draft_vocab_coverage": cover / max(1, n), "heldout_positions": n}
+
+
+# --- measurements ---------------------------------------------------------------------------------
+
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def tail_batch1(model, drafter, prompts, args, eos) -> dict[str, Any]:
+    """Each held-out prompt alone (batch 1 = the deepest tail), plain vs SD with a forced arm."""
+    from .rollout import SpecPolicy, generate
+    from .sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    plain = SpecPolicy(enabled=False, threshold=1)
+    spec = SpecPolicy(arm=args.arm, threshold=1, draft_vocab=args.draft_vocab)
+    generate(model, prompts[:1], greedy, max_new_tokens=8, eos_ids=eos, drafter=drafter, spec=spec)  # warm-up
+    tok_sd = s_sd = tok_no = s_no = wall_no = tot = 0.0
+    identical = True
+    hist: list[int] = []
+    by_pos_acc: list[int] = []
+    by_pos_att: list[int] = []
+    outs, seqs = [], []
+    for i, p in enumerate(prompts):
+        base = generate(model, [p], greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos, spec=plain,
+                        harvest_hidden=True)
+        res = generate(model, [p], greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos, drafter=drafter,
+                       spec=spec, harvest_hidden=False)
+        mb, ms = base.metrics, res.metrics
+        same = res.tokens == base.tokens
+        identical &= same
+        tok_no += mb.tail_tokens_no_sd
+        s_no += mb.tail_s_no_sd
+        wall_no += mb.wall_s
+        tot += mb.total_tokens
+        tok_sd += ms.tail_tokens_sd
+        s_sd += ms.tail_s_sd
+        hist = [a + b for a, b in zip(hist, ms.accepted_hist)] if hist else list(ms.accepted_hist)
+        by_pos_acc = [a + b for a, b in zip(by_pos_acc, ms.accepted_by_pos)] if by_pos_acc else list(ms.accepted_by_pos)
+        by_pos_att = [a + b for a, b in zip(by_pos_att, ms.attempted_by_pos)] if by_pos_att else list(ms.attempted_by_pos)
+        outs.append(base.tokens[0])
+        seqs.append((list(p) + base.tokens[0], base.hidden[0], len(p)))
+        log.info("tail prompt %d/%d: %d tokens, plain %.1f tok/s, SD %.1f tok/s, acceptance %.2f, identical %s",
+                 i + 1, len(prompts), mb.total_tokens, mb.tail_tokens_per_s_no_sd, ms.tail_tokens_per_s_sd,
+                 ms.acceptance_length, same)
+    n_pass = sum(hist)
+    acc_len = sum((k + 1) * c for k, c in enumerate(hist)) / n_pass if n_pass else 0.0
+    sd, no = tok_sd / s_sd if s_sd else 0.0, tok_no / s_no if s_no else 0.0
+    return {
+        "tail_tokens_per_s_sd": sd, "tail_tokens_per_s_no_sd": no, "tail_speedup": sd / no if no else 0.0,
+        "acceptance_length": acc_len, "greedy_identical": bool(identical), "tail_tokens": int(tok_no),
+        "accept_by_position": [round(a / n, 3) if n else 0.0 for a, n in zip(by_pos_acc, by_pos_att)],
+        "engine_tokens_per_s_no_sd_wall": tot / wall_no if wall_no else 0.0,
+        "_outs": outs, "_seqs": seqs, "_wall_no": wall_no, "_tot": tot,
+    }
+
+
+def hf_generate(folder: Path, prompts, args, eos, ours: list[list[int]]) -> dict[str, Any]:
+    """transformers' generate() on the same weights and prompts (greedy, batch 1, same max_new_tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_dtype(args.dtype)).to(args.device).eval()
+    hf.generation_config.pad_token_id = eos[0]
+    with torch.inference_mode():
+        x = torch.tensor([prompts[0]], device=args.device)
+        hf.generate(x, max_new_tokens=8, do_sample=False, eos_token_id=eos)  # warm-up
+        tot, wall, same = 0, 0.0, True
+        for p, mine in zip(prompts, ours):
+            x = torch.tensor([p], device=args.device)
+            _sync(args.device)
+            t = time.perf_counter()
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+                            do_sample=False, eos_token_id=eos)
+            _sync(args.device)
+            wall += time.perf_counter() - t
+            new = y[0, len(p):].tolist()
+            tot += len(new)
+            same &= new == mine
+    del hf
+    return {"hf_tokens_per_s": tot / wall if wall else 0.0, "hf_identical": bool(same)}
+
+
+def whole_rollout(model, drafter, prompts, args, eos) -> dict[str, Any]:
+    """All held-out prompts in one batch: SD on in the tail (bandit over arms) vs never."""
+    from .rollout import SpecPolicy, generate
+    from .sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    base = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos,
+                    spec=SpecPolicy(enabled=False, threshold=args.threshold), harvest_hidden=False)
+    spec = SpecPolicy(threshold=args.threshold, draft_vocab=args.draft_vocab, ngram_arm=False,
+                      strategies=((4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)), epsilon=0.1)
+    res = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos, drafter=drafter,
+                   spec=spec, harvest_hidden=False)
+    mb, ms = base.metrics, res.metrics
+    return {
+        "rollout_prompts": len(prompts), "rollout_threshold": args.threshold,
+        "rollout_wall_s_no_sd": mb.wall_s, "rollout_wall_s_sd": ms.wall_s,
+        "rollout_speedup": mb.wall_s / ms.wall_s if ms.wall_s else 0.0,
+        "rollout_tail_tokens_per_s_no_sd": mb.tail_tokens_per_s_no_sd,
+        "rollout_tail_tokens_per_s_sd": ms.tail_tokens_per_s_sd,
+        "rollout_tail_s_no_sd": mb.tail_s_no_sd + mb.tail_s_sd, "rollout_tail_s_sd": ms.tail_s_sd + ms.tail_s_no_sd,
+        "rollout_acceptance_length": ms.acceptance_length, "rollout_strategy": ms.strategy,
+        "rollout_greedy_identical": res.tokens == base.tokens,
+        "rollout_p50_p100_lengths": [sorted(mb.lengths)[len(mb.lengths) // 2], max(mb.lengths)],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark. Result keys:
+
+    tail_tokens_per_s_sd / _no_sd, tail_speedup   batch-1 decode throughput with / without SD (arm `arm`)
+    acceptance_length                              tokens per verify pass (accepted drafts + 1), batch 1
+    engine_vs_hf_generate                          our engine without SD / transformers generate(), tokens/s
+                                                   (wall clock with prefill, batch 1, same prompts)
+    greedy_identical                               SD and plain outputs equal token for token (batch 1)
+    drafter_*                                      training summary, held-out top-1, draft-vocab coverage
+    rollout_*                                      the whole long-tail rollout (with --rollout-prompts > 0)
+    """
+    import torch
+
+    for k, v in DEFAULTS[args.model].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    folder, model, task, eos = load_policy(args)
+    log.info("policy %s (%s, %s) on %s, %d threads", folder, args.model, args.dtype, args.device,
+             torch.get_num_threads())
+    drafter, info = adapted_drafter(model, task, folder, args, eos)
+    pool = [p.ids for p in task.sample_prompts(max(4 * args.tail_prompts, args.rollout_prompts),
+                                                random.Random(args.bench_seed))]
+    held = pool[:args.rollout_prompts]
+    # the tail: the longest held-out prompts (the long-tail task's longest problems), one at a time
+    tail_prompts = sorted(pool, key=len, reverse=True)[:args.tail_prompts]
+    tail = tail_batch1(model, drafter, tail_prompts, args, eos)
+    head = None
+    if args.draft_vocab:
+        from .rollout import SpecPolicy
+
+        head = SpecPolicy(draft_vocab=args.draft_vocab).draft_head(drafter, model.config.vocab_size, eos).ids
+    top1 = heldout_top1(drafter, tail.pop("_seqs"), head)
+    outs = tail.pop("_outs")
+    wall_no, tot = tail.pop("_wall_no"), tail.pop("_tot")
+    result: dict[str, Any] = {"bench": "rollout", "model": args.model, "device": args.device, "dtype": args.dtype,
+                              "threads": torch.get_num_threads(), "arm": args.arm, "draft_vocab": args.draft_vocab,
+                              "max_new_tokens": args.max_new_tokens, "tail_prompts": args.tail_prompts, **tail}
+    if not args.no_hf:
+        hf = hf_generate(folder, tail_prompts, args, eos, outs)
+        ours = tot / wall_no if wall_no else 0.0
+        result.update(hf)
+        result["engine_vs_hf_generate"] = ours / hf["hf_tokens_per_s"] if hf["hf_tokens_per_s"] else 0.0
+    else:
+        result["engine_vs_hf_generate"] = None
+    if args.rollout_prompts:
+        result.update(whole_rollout(model, drafter, held, args, eos))
+    result.update({f"drafter_{k}": v for k, v in info.items()})
+    result.update({f"drafter_{k}": v for k, v in top1.items()})
+    result.update({"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+                   "loadavg_start": [round(x, 2) for x in load0],
+                   "loadavg_end": [round(x, 2) for x in os.getloadavg()], "bench_s": round(time.perf_counter() - t0, 1)})
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    p.add_argument("--model-path", help="policy folder (default: converted SmolLM2 / cached SFT'd tiny model)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--arm", help="SD arm for the batch-1 figure, e.g. d6k1v6 (chain) or d5k2v8 (tree)")
+    p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary size (0: full vocabulary)")
+    p.add_argument("--tail-prompts", type=int, help="held-out prompts decoded one at a time (batch 1)")
+    p.add_argument("--rollout-prompts", type=int, help="held-out prompts of the whole-rollout figure (0: skip)")
+    p.add_argument("--threshold", type=int, help="SD switches on at running <= this (whole rollout)")
+    p.add_argument("--bench-seed", type=int, default=2000, help="seed of the held-out prompts")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate() comparison")
+    g = p.add_argument_group("drafter training (cached under --cache-dir)")
+    g.add_argument("--train-prompts", type=int)
+    g.add_argument("--train-seed", type=int, default=1000, help="seed of the training prompts")
+    g.add_argument("--train-steps", type=int)
+    g.add_argument("--train-temperature", type=float, default=0.0, help="temperature of the training answers")
+    g.add_argument("--batch-tokens", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--token-weight", type=float, default=0.1, help="weight of the soft cross-entropy term")
+    g.add_argument("--train-vocab", type=int, help="vocabulary of the training cross-entropy (0: full)")
+    g.add_argument("--gen-batch", type=int)
+    g.add_argument("--sft-steps", type=int, help="tiny: SFT steps when no cached tiny policy is used")
+    g.add_argument("--cache-dir", default=str(REPO_ROOT / "var" / "bench"))
+    g.add_argument("--retrain", action="store_true", help="ignore a cached drafter")
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(json.dumps(result), flush=True)
+    return 0 if result.get("greedy_identical") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers.tlt.bench_rollout", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    return cmd_rollout(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
