@@ -106,7 +106,7 @@ class SpecPolicy:
             arms.append(Arm(OFF))
         return arms
 
-    def draft_head(self, drafter, vocab_size: int, eos_ids: Sequence[int] = ()) -> DraftHead:
+    def draft_head(self, drafter, vocab_size: int, eos_ids: Sequence[int] = (), device=None) -> DraftHead:
         """The drafter's LM head for this policy: full, or over the reduced draft vocabulary."""
         if self.draft_ids is not None:
             ids = torch.as_tensor(list(self.draft_ids), dtype=torch.long).unique()
@@ -116,7 +116,7 @@ class SpecPolicy:
             ids = draft_vocab_ids(counts, self.draft_vocab, eos_ids)
         else:
             return DraftHead(drafter)
-        return DraftHead(drafter, ids, vocab_size)
+        return DraftHead(drafter, ids, vocab_size, device)
 
     def new_bandit(self, has_drafter: bool, seed: int = 0) -> BucketedBandit:
         """A bandit over this policy's arms; pass it to every generate() call to learn across steps."""
@@ -275,7 +275,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     B0 = len(prompts)
     L = max(len(p) for p in prompts) + max_new_tokens + slack
     rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None)
-    head = policy.draft_head(drafter, model.config.vocab_size, eos_ids) if drafter is not None and arms else None
+    head = policy.draft_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)

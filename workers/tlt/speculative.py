@@ -115,7 +115,8 @@ class DraftHead:
     subset indices back to vocabulary ids; `full(q)` scatters a subset distribution into [..., V].
     """
 
-    def __init__(self, drafter, ids: Tensor | None = None, vocab_size: int | None = None):
+    def __init__(self, drafter, ids: Tensor | None = None, vocab_size: int | None = None,
+                 device: torch.device | str | None = None):
         self.drafter = drafter
         self.ids = ids
         self.vocab_size = vocab_size
@@ -124,8 +125,8 @@ class DraftHead:
             if vocab_size is None:
                 raise ValueError("a reduced draft vocabulary needs the full vocab_size")
             w = _head_weight(drafter)
+            self.ids = ids = ids.to(w.device if w is not None else device or ids.device)
             if w is not None:
-                self.ids = ids = ids.to(w.device)
                 self.weight = w.detach().index_select(0, ids)  # [V', H] contiguous: one small matmul per step
 
     def logits(self, h: Tensor) -> Tensor:
