@@ -230,6 +230,7 @@ class FakeVllmEngine:
 def vllm_cfg(steps: int = STEPS):
     data = tiny_cfg(steps=steps).model_dump(mode="json")
     data["rollout"]["engine"] = "vllm"
+    data["drafter"]["warmup_steps"] = 0  # not what these tests are about
     return load_config(data)
 
 

@@ -116,6 +116,8 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "reward_by_step_baseline": [round(r["reward/mean"], 4) for r in b],
         "drafter_steps_tlt": sum(r.get("drafter/steps", 0.0) for r in t),
         "drafter_accuracy_by_step": [round(r.get("drafter/accuracy", 0.0), 3) for r in t],
+        "drafter_updates_tlt": sum(r.get("drafter/updates", 0.0) for r in t),
+        "drafter_dropped_updates_tlt": sum(r.get("drafter/dropped_updates", 0.0) for r in t),
         "len_max_by_step": [int(r.get("rollout/len_max", 0)) for r in t],
         "profile_s": profile,
         # one-off costs outside the steps: the SFT'd policy (cached after the first run), the TLT

@@ -171,6 +171,9 @@ def merge_rollout_metrics(per_worker: list[dict[str, Any]], offsets: list[float]
         "spec/switch_on_s": -1.0,
         "spec/verify_passes": tot("verify_passes"),
         "rollout/wall_s": wall,
+        # the longest worker's decode time in the tail (its running sequences <= spec.threshold)
+        "rollout/tail_s": max((float(m.get("tail_s_sd", 0.0)) + float(m.get("tail_s_no_sd", 0.0)) for m in per_worker),
+                              default=0.0),
     }
     # acceptance by draft position: sum attempts and accepts over workers
     attempted: list[float] = []
@@ -251,6 +254,7 @@ class Trainer:
         self.history: list[StepOutput] = []
         self._stop_requested = False
         self._records_from_learner = cfg.rollout.engine == "vllm"  # set from the workers after each step
+        self.setup_s: dict[str, float] = {}  # seconds of each setup part (policy, drafter_warmup, actors)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -264,7 +268,9 @@ class Trainer:
         if self.device == "cpu":
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
+        t = time.perf_counter()
         self.policy_folder = prepare_policy_folder(cfg)
+        self.setup_s["policy"] = time.perf_counter() - t
         self.task = make_run_task(cfg, self.policy_folder)
         dtype = getattr(torch, cfg.model.dtype)
         self.policy = Transformer.from_pretrained(self.policy_folder, dtype=dtype, device=self.device)
@@ -280,10 +286,14 @@ class Trainer:
         self.spec_states: list[Any] = [None] * cfg.rollout.num_workers
 
         resumed = self.resume and self._load_latest()
+        t = time.perf_counter()
         if not resumed and self.tlt and cfg.drafter.warmup_steps > 0:
             self._warmup_drafter()
+        self.setup_s["drafter_warmup"] = time.perf_counter() - t
         self.drafter_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
+        t = time.perf_counter()
         self._start_actors()
+        self.setup_s["actors"] = time.perf_counter() - t
 
     def _warmup_drafter(self) -> None:
         """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only)."""
@@ -291,7 +301,8 @@ class Trainer:
 
         cfg = self.cfg
         t = time.perf_counter()
-        prompts = self.task.sample_prompts(max(16, cfg.task.prompts_per_step * 2), random.Random(cfg.run.seed + 7))
+        # enough answers that the drafter sees every kind of step (a few seconds of batched generation)
+        prompts = self.task.sample_prompts(max(64, cfg.task.prompts_per_step * 2), random.Random(cfg.run.seed + 7))
         trainer = DrafterTrainer(self.drafter, cfg.drafter, seed=cfg.run.seed)
         steps = trainer.warmup(self.policy, [p.ids for p in prompts], cfg.drafter.warmup_steps,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
