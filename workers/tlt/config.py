@@ -156,13 +156,16 @@ class TLTConfig(_Section):
 PRESETS: dict[str, dict[str, Any]] = {
     # The quick demo: a few minutes on 2 CPU cores, with a visible long tail.
     "tiny-cpu": {
-        "run": {"steps": 6, "checkpoint_interval": 2},
+        "run": {"steps": 10, "checkpoint_interval": 2},
         "model": {"source": "tiny", "sft_steps": 300},
-        "task": {"kind": "longtail", "prompts_per_step": 8},
+        "task": {"kind": "longtail", "prompts_per_step": 16},
         "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 192, "temperature": 1.0},
-        "spec": {"threshold": 8},
-        "drafter": {"warmup_steps": 100},
-        "grpo": {"lr": 5e-5},
+        # short chains: on a CPU a drafter pass costs a good part of a target pass, so deep drafts
+        # only pay where nearly every position is accepted; the bandit picks among these and off
+        "spec": {"threshold": 8, "strategies": [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4)]},
+        # small spot-training batches: a whole update (4 steps) fits the short idle windows of a CPU run
+        "drafter": {"warmup_steps": 100, "batch_tokens": 512},
+        "grpo": {"lr": 5e-5, "micro_batch": 16},
     },
     "smollm2-cpu": {
         "run": {"steps": 4},
