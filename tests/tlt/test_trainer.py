@@ -255,6 +255,8 @@ def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in
     assert out["tokens"] == [list(t) for t in generate_ref(policy, cfg, [[1, 5, 6, 7]] * 2)]
     worker.load_weights(policy.state_dict(), drafter_state)  # next step's sync: in place, no rebuild
     assert worker.engine is engine and engine.calls["update_policy"] == 1 and engine.calls["update_drafter"] == 1
+    worker.close()  # the exported folders go with the engine
+    assert worker.engine is None and not engine.policy_dir.exists()
 
 
 def generate_ref(policy, cfg, prompts):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -284,7 +285,7 @@ class RolloutWorkerImpl:
             from .export import export_drafter, export_policy
 
             rc = self.cfg.rollout
-            root = Path(tempfile.mkdtemp(prefix=f"tlt-vllm-w{self.id}-"))
+            root = self._engine_dir = Path(tempfile.mkdtemp(prefix=f"tlt-vllm-w{self.id}-"))
             policy_dir = export_policy(self.policy, root / "policy")
             drafter_dir = export_drafter(self.drafter, root / "drafter") if self.cfg.run.tlt else None
             kw: dict[str, Any] = {"max_num_seqs": rc.vllm_max_num_seqs,
@@ -296,6 +297,18 @@ class RolloutWorkerImpl:
             log.info("worker %d: vLLM engine over %s (hidden states: %s)", self.id, root,
                      getattr(self.engine, "returns_hidden", False))
         return self.engine
+
+    def close(self) -> bool:
+        """Shut the vLLM engine down and remove its exported folders (a policy copy each)."""
+        engine, self.engine = self.engine, None
+        try:
+            if engine is not None and hasattr(engine, "close"):
+                engine.close()
+        finally:
+            if getattr(self, "_engine_dir", None) is not None:
+                shutil.rmtree(self._engine_dir, ignore_errors=True)
+                self._engine_dir = None
+        return True
 
     @staticmethod
     def engine_factory(cfg, policy_dir, drafter_dir, **kw):

@@ -528,6 +528,10 @@ class Trainer:
         try:
             self.ckpt.close()
         finally:
+            try:  # engines and their exported folders first (vLLM holds a GPU and a policy copy on disk)
+                ray.get([w.close.remote() for w in self.workers], timeout=120)
+            except Exception as exc:  # a dead or stuck actor: kill it anyway
+                log.warning("closing rollout workers: %s", exc)
             for w in self.workers:
                 ray.kill(w)
             if self.coordinator is not None:
