@@ -179,7 +179,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run": {"steps": 200, "device": "cuda", "checkpoint_interval": 10},
         "model": {"source": "hf", "path": "/models/Qwen2.5-7B-Instruct", "dtype": "bfloat16"},
         "task": {"kind": "math", "prompts_per_step": 128},
-        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 8192},
+        # each worker also keeps a policy copy on its GPU (spot drafter training reads its embedding and
+        # LM head): vLLM must not claim the default 90% of the GPU
+        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 8192,
+                    "vllm_gpu_memory_utilization": 0.6},
         "spec": {"threshold": 32},
         "grpo": {"lr": 1e-6, "micro_batch": 4},
     },
