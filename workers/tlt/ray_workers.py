@@ -4,7 +4,9 @@ The driver (trainer.py) owns the data flow of a step; these actors own models:
 
     RolloutWorker   one per GPU (num_gpus=1) or CPU slot (num_cpus=1): a policy copy, a drafter copy,
                     the SD bandit. `rollout()` generates its shard, then, when spot training is on,
-                    reports idle to the coordinator and trains the drafter until it is preempted.
+                    reports idle to the coordinator and trains the drafter until it is preempted, in
+                    a background thread: the shard's results go back at once, and `spot_result()`
+                    collects the training's times after the step's rollout.
     Coordinator     num_cpus=0: the one master drafter of the step, the preemption flag, the online
                     buffer's references. Preempts all drafter training the moment the last worker
                     reports its rollout done.
@@ -26,6 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +281,8 @@ class RolloutWorkerImpl:
         self._bandit = None
         self._record_cache: dict = {}
         self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
+        self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}")
+        self._spot: Future | None = None  # this step's spot training (runs until the coordinator preempts)
 
     def _engine(self):
         """The vLLM engine over this worker's current weights, exported once to local folders."""
@@ -302,6 +307,7 @@ class RolloutWorkerImpl:
         """Shut the vLLM engine down and remove its exported folders (a policy copy each)."""
         engine, self.engine = self.engine, None
         try:
+            self._join_spot()
             if engine is not None and hasattr(engine, "close"):
                 engine.close()
         finally:
@@ -320,6 +326,7 @@ class RolloutWorkerImpl:
     # --- weights ------------------------------------------------------------------------------
 
     def load_weights(self, policy_state: dict | None, drafter_state: dict | None) -> bool:
+        self._join_spot()  # the last step's spot training was preempted; it may not touch the new weights
         if policy_state is not None:
             self.policy.load_state_dict(policy_state, strict=False)
             if self.policy.config.tie_word_embeddings:
@@ -410,11 +417,21 @@ class RolloutWorkerImpl:
             refs = [ray.put(records)]
             out["records"] = refs  # nested: the driver receives the reference, not the tensors
         if _call(self.coordinator, "report_done", self.id, refs):
-            intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
-                                          self.cfg.drafter.batch_tokens, record_cache=self._record_cache)
-            out["drafter_intervals"] = intervals
-            out["drafter_steps"] = steps
+            # spot training in a background thread: the rollout goes to the driver now (it never waits
+            # for a drafter micro-batch to notice the preemption); spot_result() collects the times
+            self._spot = self._spot_pool.submit(spot_train, self.id, self.coordinator, self.drafter,
+                                                self._get_trainer(), self.cfg.drafter.batch_tokens,
+                                                record_cache=self._record_cache)
         return out
+
+    def spot_result(self) -> dict[str, Any]:
+        """This step's spot training, once preempted: {"drafter_intervals", "drafter_steps"}."""
+        intervals, steps = self._join_spot()
+        return {"drafter_intervals": intervals, "drafter_steps": steps}
+
+    def _join_spot(self) -> tuple[list[tuple[float, float]], int]:
+        spot, self._spot = self._spot, None
+        return spot.result() if spot is not None else ([], 0)
 
 
 RolloutWorker = ray.remote(num_cpus=1)(RolloutWorkerImpl)

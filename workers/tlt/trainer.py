@@ -469,6 +469,9 @@ class Trainer:
                             self.buffer.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
 
         # --- metrics ---
+        if self.tlt:  # spot training stopped at the preemption: collect its intervals (long done by now)
+            for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
+                r.update(spot)
         times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
                              [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
         idle_scalars, timeline = self.acct.rollout(t0, times)
