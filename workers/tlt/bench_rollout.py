@@ -45,8 +45,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_VERSION = 2  # bump when the training recipe changes, so cached drafters are retrained
 
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
-    "smollm2": dict(max_new_tokens=256, train_prompts=96, train_steps=500, batch_tokens=1536, lr=1e-3,
-                    gen_batch=32, tail_prompts=4, arm="d6k1v6", draft_vocab=4096, train_vocab=8192,
+    "smollm2": dict(max_new_tokens=256, train_prompts=64, train_steps=400, batch_tokens=1536, lr=1e-3,
+                    gen_batch=32, tail_prompts=4, arm="auto", draft_vocab=4096, train_vocab=8192,
                     rollout_prompts=0, threshold=4),
     "tiny": dict(max_new_tokens=192, train_prompts=256, train_steps=300, batch_tokens=2048, lr=2e-3,
                  gen_batch=64, tail_prompts=4, arm="d6k1v6", draft_vocab=0, train_vocab=0,
@@ -296,6 +296,25 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+AUTO_ARMS = ("d4k1v4", "d6k1v6", "d8k1v8", "d5k2v8")
+
+
+def calibrate_arm(model, drafter, prompt, args, eos) -> tuple[str, dict[str, float]]:
+    """--arm auto: decode one held-out calibration prompt (not a measured one) with each candidate
+    arm at batch 1 and keep the fastest, i.e. what the bandit converges to in the batch-1 bucket."""
+    from .rollout import SpecPolicy, generate
+    from .sampling import SamplingParams
+
+    rates = {}
+    for arm in AUTO_ARMS:
+        spec = SpecPolicy(arm=arm, threshold=1, draft_vocab=args.draft_vocab)
+        m = generate(model, [prompt], SamplingParams(temperature=0.0), max_new_tokens=min(args.max_new_tokens, 128),
+                     eos_ids=eos, drafter=drafter, spec=spec, harvest_hidden=False).metrics
+        rates[arm] = round(m.tail_tokens_per_s_sd, 2)
+        log.info("calibration: %s %.1f tok/s (acceptance %.2f)", arm, m.tail_tokens_per_s_sd, m.acceptance_length)
+    return max(rates, key=rates.get), rates
+
+
 def tail_batch1(model, drafter, prompts, args, eos) -> dict[str, Any]:
     """Each held-out prompt alone (batch 1 = the deepest tail), plain vs SD with a forced arm."""
     from .rollout import SpecPolicy, generate
@@ -427,6 +446,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     held = pool[:args.rollout_prompts]
     # the tail: the longest held-out prompts (the long-tail task's longest problems), one at a time
     tail_prompts = sorted(pool, key=len, reverse=True)[:args.tail_prompts]
+    calibration = None
+    if args.arm == "auto":
+        spare = [p for p in pool if p not in tail_prompts] or pool
+        args.arm, calibration = calibrate_arm(model, drafter, spare[0], args, eos)
     tail = tail_batch1(model, drafter, tail_prompts, args, eos)
     head = None
     if args.draft_vocab:
@@ -439,6 +462,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"bench": "rollout", "model": args.model, "device": args.device, "dtype": args.dtype,
                               "threads": torch.get_num_threads(), "arm": args.arm, "draft_vocab": args.draft_vocab,
                               "max_new_tokens": args.max_new_tokens, "tail_prompts": args.tail_prompts, **tail}
+    if calibration is not None:
+        result["arm_calibration_tokens_per_s"] = calibration
     if not args.no_hf:
         hf = hf_generate(folder, tail_prompts, args, eos, outs)
         ours = tot / wall_no if wall_no else 0.0
@@ -463,7 +488,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--arm", help="SD arm for the batch-1 figure, e.g. d6k1v6 (chain) or d5k2v8 (tree)")
+    p.add_argument("--arm", help="SD arm for the batch-1 figure, e.g. d6k1v6 (chain) or d5k2v8 (tree); auto: the "
+                                 f"fastest of {', '.join(AUTO_ARMS)} on a calibration prompt")
     p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary size (0: full vocabulary)")
     p.add_argument("--tail-prompts", type=int, help="held-out prompts decoded one at a time (batch 1)")
     p.add_argument("--rollout-prompts", type=int, help="held-out prompts of the whole-rollout figure (0: skip)")
