@@ -12,6 +12,12 @@ instance: the baseline (run.tlt false: no SD, no spot training) and TLT. It repo
     acceptance_length    mean tokens per verify pass while SD was on, TLT run
     acceptance_by_step   the same per step (it should rise as spot training adapts the drafter)
     reward_tlt / reward_baseline   mean reward of each run (same curves expected)
+    profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), both runs
+    setup_s / wall_s     one-off costs outside the steps (policy, drafter warm-up, actors); whole runs
+    loadavg_start/_end   the machine's load: figures from a shared machine are only as good as this
+
+The baseline is the strong one: the same engine and batching (finished rows leave the batch), SD
+and spot training off. Step means skip the first step (one-off warm-up costs).
 
 Benchmarks measure; tests check correctness, never timings.
 """
