@@ -531,9 +531,12 @@ class Trainer:
         try:
             self.ckpt.close()
         finally:
-            try:  # engines and their exported folders first (vLLM holds a GPU and a policy copy on disk)
-                ray.get([w.close.remote() for w in self.workers], timeout=120)
-            except Exception as exc:  # a dead or stuck actor: kill it anyway
+            try:  # vLLM engines: shut down, exported folders removed (a step cut short: wait a little only)
+                if self.cfg.rollout.engine == "vllm" and self.workers:
+                    if self.coordinator is not None:  # ends spot training a cut-short step never preempted
+                        ray.get(self.coordinator.preempt.remote(), timeout=5)
+                    ray.get([w.close.remote() for w in self.workers], timeout=20)
+            except Exception as exc:  # a busy, dead or stuck actor: kill it anyway
                 log.warning("closing rollout workers: %s", exc)
             for w in self.workers:
                 ray.kill(w)
