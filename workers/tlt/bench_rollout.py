@@ -296,7 +296,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-AUTO_ARMS = ("d4k1v4", "d6k1v6", "d8k1v8", "d5k2v8")
+AUTO_ARMS = ("d4k1v4", "d6k1v6", "d8k1v8", "d5k2v8", "ngram")
 
 
 def calibrate_arm(model, drafter, prompt, args, eos) -> tuple[str, dict[str, float]]:
@@ -398,7 +398,7 @@ def whole_rollout(model, drafter, prompts, args, eos) -> dict[str, Any]:
     greedy = SamplingParams(temperature=0.0)
     base = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos,
                     spec=SpecPolicy(enabled=False, threshold=args.threshold), harvest_hidden=False)
-    spec = SpecPolicy(threshold=args.threshold, draft_vocab=args.draft_vocab, ngram_arm=False,
+    spec = SpecPolicy(threshold=args.threshold, draft_vocab=args.draft_vocab, ngram_arm=True,
                       strategies=((4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)), epsilon=0.1)
     res = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos, drafter=drafter,
                    spec=spec, harvest_hidden=False)
