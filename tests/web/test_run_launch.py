@@ -13,7 +13,10 @@ from tests.conftest import member_add
 from tltweb.accounts.services import api_token_create
 from tltweb.runs.models import Run
 from tltweb.runs.services import preset_yaml, run_clone, run_launch
-from workers.tlt.config import ConfigError
+from workers.tlt.config import PRESETS, ConfigError
+
+# the tiny preset's own step count, so these tests follow the preset when it is retuned
+STEPS = f"steps: {PRESETS['tiny-cpu']['run']['steps']}"
 
 
 def test_run_launch_creates_a_queued_run_and_submits_it_on_commit(alice, team, django_capture_on_commit_callbacks, monkeypatch):
@@ -23,13 +26,13 @@ def test_run_launch_creates_a_queued_run_and_submits_it_on_commit(alice, team, d
     monkeypatch.setattr(tasks.run_submit, "delay", lambda run_id: sent.append(run_id))
     with django_capture_on_commit_callbacks(execute=True):
         run = run_launch(user=alice, team=team, name="r1", preset="tiny-cpu")
-    assert run.state == "queued" and run.config["run"]["steps"] == 6
+    assert run.state == "queued" and run.config["run"]["steps"] == PRESETS["tiny-cpu"]["run"]["steps"]
     assert sent == [str(run.id)]
     assert run.submission_id == f"tlt-run-{run.id}"
 
 
 def test_run_launch_keeps_the_yaml_text_and_the_expanded_config(alice, team):
-    text = preset_yaml("tiny-cpu").replace("steps: 6", "steps: 2")
+    text = preset_yaml("tiny-cpu").replace(STEPS, "steps: 2")
     run = run_launch(user=alice, team=team, name="short", preset="tiny-cpu", config_yaml=text)
     assert run.config_yaml == text and run.config["run"]["steps"] == 2
 
@@ -61,7 +64,7 @@ def test_the_form_is_prefilled_with_the_first_presets_yaml(client, alice, team):
 
 def test_the_form_launches_and_redirects_to_the_run(client, alice, team):
     client.force_login(alice)
-    text = preset_yaml("tiny-cpu").replace("steps: 6", "steps: 2")
+    text = preset_yaml("tiny-cpu").replace(STEPS, "steps: 2")
     resp = client.post(reverse("run-launch"), {"team": team.pk, "name": "form run", "preset": "tiny-cpu",
                                                "config_yaml": text, "tags": "a, b"})
     run = Run.objects.get()
@@ -73,7 +76,7 @@ def test_the_form_launches_and_redirects_to_the_run(client, alice, team):
     "edit,field",
     [
         (("threshold: 8", "threshold: -1"), "spec.threshold"),
-        (("steps: 6", "steps: lots"), "run.steps"),
+        ((STEPS, "steps: lots"), "run.steps"),
         (("num_workers: 2", "num_workers: 2\n  gpus: 4"), "rollout.gpus"),
         (("run:", "run: [unclosed"), "yaml"),
     ],
