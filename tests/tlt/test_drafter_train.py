@@ -17,13 +17,7 @@ SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 H = SMALL.hidden_size
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are dominated by per-op overhead: one thread is faster and steadier on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rec(n: int, seed: int = 0, h: int = H) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,13 +8,7 @@ from workers.tlt.model import Transformer, causal_mask
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: OpenMP hand-offs cost more than the math, and collapse on a busy machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_model(arch: str):

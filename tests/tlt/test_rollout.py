@@ -19,13 +19,7 @@ BOS = 1
 GREEDY = SamplingParams(temperature=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: OpenMP hand-offs cost more than the math, and collapse on a busy machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny(vocab=48, seed=0, std=0.3):

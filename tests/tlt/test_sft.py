@@ -12,13 +12,7 @@ from workers.tlt.sft import build_tiny_model, collate_examples, generate, length
 SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are dominated by per-op overhead: one thread is faster and steadier on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_loss_mask_covers_exactly_the_response_tokens():

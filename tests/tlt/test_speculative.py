@@ -15,13 +15,7 @@ from workers.tlt.speculative import (Tree, accept_prob, ancestors, catch_up, cha
 V = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: OpenMP hand-offs cost more than the math, and collapse on a busy machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _target_table(seed: int) -> dict[tuple[int, ...], torch.Tensor]:
