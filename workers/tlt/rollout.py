@@ -145,6 +145,18 @@ class RolloutMetrics:
     tail_tokens_no_sd: int = 0  # tokens emitted in the tail by plain decode steps
     tail_s_no_sd: float = 0.0
 
+    def count_tail(self, emitted: int, seconds: float, sd_on: bool, bucket: str = "", arm: str = "") -> None:
+        """Book one decode/verify step taken in the tail (running <= threshold)."""
+        if sd_on:
+            self.tail_tokens_sd += emitted
+            self.tail_s_sd += seconds
+        else:
+            self.tail_tokens_no_sd += emitted
+            self.tail_s_no_sd += seconds
+        if arm:
+            counts = self.strategy.setdefault(bucket, {})
+            counts[arm] = counts.get(arm, 0) + 1
+
     @property
     def acceptance_length(self) -> float:
         """Tokens emitted per row per verify pass (accepted drafts + the target's own token)."""
@@ -419,17 +431,11 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         dt = time.perf_counter() - t_step
         emitted = sum(k_host)
         if live <= policy.threshold:
-            if sd_on:
-                m.tail_tokens_sd += emitted
-                m.tail_s_sd += dt
-            else:
-                m.tail_tokens_no_sd += emitted
-                m.tail_s_no_sd += dt
             if arms:
                 bandit.update(live, arm.label, emitted / max(dt, 1e-9))
-                label = bandit.label(bandit.bucket(live))
-                counts = m.strategy.setdefault(label, {})
-                counts[arm.label] = counts.get(arm.label, 0) + 1
+                m.count_tail(emitted, dt, sd_on, bandit.label(bandit.bucket(live)), arm.label)
+            else:
+                m.count_tail(emitted, dt, sd_on)
         if sd_on:
             m.verify_passes += 1
 

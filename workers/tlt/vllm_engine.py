@@ -354,16 +354,8 @@ class VllmRolloutEngine:
                 m.prefill_s = time.perf_counter() - t0
                 first = False
             if live <= threshold and emitted:
-                if sd_on:
-                    m.tail_tokens_sd += emitted
-                    m.tail_s_sd += dt
-                else:
-                    m.tail_tokens_no_sd += emitted
-                    m.tail_s_no_sd += dt
-                if sd_on:
-                    arms = m.strategy.setdefault(f"1-{threshold}", {})
-                    label = f"d{self.depth}k1v{self.depth}"
-                    arms[label] = arms.get(label, 0) + 1
+                arm = f"d{self.depth}k1v{self.depth}" if sd_on else ""
+                m.count_tail(emitted, dt, sd_on, f"1-{threshold}", arm)
             if sd_on:
                 m.verify_passes += 1
             if running != live and on_progress is not None:
