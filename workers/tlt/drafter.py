@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 import torch
 
-from .model import DecoderLayer, KVCache, ModelConfig, Transformer, causal_mask, init_weights, rope_tables
+from .model import DecoderLayer, KVCache, ModelConfig, Transformer, init_weights, rope_tables, step_layout
 
 
 class Drafter(nn.Module):
@@ -60,13 +60,7 @@ class Drafter(nn.Module):
     def forward(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, write_pos: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         """hidden: [B, T, H] target states h_i; next_tokens: [B, T] ids x_{i+1}; returns [B, T, H] ~ h_{i+1}."""
-        B, T = next_tokens.shape
-        if positions is None:
-            positions = torch.arange(T, device=hidden.device).expand(B, T)
-        if cache is not None:
-            write_pos = positions if write_pos is None else write_pos
-            if mask is None:
-                mask = causal_mask(cache.lengths, T, int(cache.lengths.max()) + T)
+        positions, write_pos, mask = step_layout(next_tokens, positions, cache, write_pos, mask)
         with torch.no_grad():
             emb = self.target.model.embed_tokens(next_tokens)
         x = self.fc(torch.cat([emb.to(hidden.dtype), hidden], dim=-1))

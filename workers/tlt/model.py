@@ -264,13 +264,7 @@ class Transformer(nn.Module):
         their keys/values are written at `write_pos` (default: `positions`) and each query attends
         to the cache entries its mask row allows; the caller advances `cache.lengths`.
         """
-        B, T = tokens.shape
-        if positions is None:
-            positions = torch.arange(T, device=tokens.device).expand(B, T)
-        if cache is not None:
-            write_pos = positions if write_pos is None else write_pos
-            if mask is None:
-                mask = causal_mask(cache.lengths, T, int(cache.lengths.max()) + T)
+        positions, write_pos, mask = step_layout(tokens, positions, cache, write_pos, mask)
         rope = rope_tables(self.config, positions)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
@@ -314,6 +308,20 @@ class Transformer(nn.Module):
         hf = self.config.to_hf()
         hf["torch_dtype"] = str(self.dtype).removeprefix("torch.")
         (folder / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def step_layout(tokens: Tensor, positions: Tensor | None, cache: KVCache | None, write_pos: Tensor | None,
+                mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Defaults shared by the policy and the drafter for T new tokens [B, T]: positions 0..T-1,
+    cache writes at those positions, and a causal mask over each row's filled cache prefix."""
+    B, T = tokens.shape
+    if positions is None:
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+    if cache is not None:
+        write_pos = positions if write_pos is None else write_pos
+        if mask is None:
+            mask = causal_mask(cache.lengths, T, int(cache.lengths.max()) + T)
+    return positions, write_pos, mask
 
 
 def causal_mask(lengths: Tensor, T: int, S: int) -> Tensor:
