@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import Error as PlaywrightError
 
 from tests.conftest import PASSWORD, metrics_record_fake
 
@@ -44,10 +45,17 @@ def login(page, base: str, username: str = "alice") -> None:
 
 
 def trace_points(page, chart_id: str) -> int:
-    return page.evaluate(
-        "id => { const el = document.getElementById(id); return el && el.data && el.data[0] ? el.data[0].x.length : 0; }",
-        chart_id,
-    )
+    """Points on a chart's first trace; 0 while the page is reloading (the run page reloads itself
+    once the run ends, and a script evaluated mid-reload loses its document)."""
+    try:
+        return page.evaluate(
+            "id => { const el = document.getElementById(id); return el && el.data && el.data[0] ? el.data[0].x.length : 0; }",
+            chart_id,
+        )
+    except PlaywrightError as error:
+        if "context was destroyed" in str(error) or "navigat" in str(error):
+            return 0
+        raise
 
 
 def wait_points(page, chart_id: str, n: int, timeout: float = 20) -> None:

@@ -105,7 +105,9 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
 ):
     import hashlib
 
-    from tests.web.test_browser import login, trace_points
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+    from tests.web.test_browser import login, trace_points, wait_points
     from tltweb.runs import dispatch
     from tltweb.runs.models import Run
 
@@ -120,8 +122,14 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
 
     diagnose = lambda: _diagnose(run.id, celery_worker_proc)  # noqa: E731
     wait_for(lambda: trace_points(page, "chart-reward") >= 1, 300, "the first step on the chart", diagnose)
-    wait_for(lambda: page.query_selector("#run-state .state-succeeded"), 300, "the page to show succeeded", diagnose)
-    page.wait_for_selector("a.download[data-kind=drafter]")
+    # A locator, not query_selector: the page reloads itself when the run ends, and a locator
+    # waits across that reload where an element handle cannot.
+    try:
+        page.locator("#run-state .state-succeeded").wait_for(timeout=300_000)
+    except PlaywrightTimeoutError:
+        pytest.fail(f"timed out waiting for the page to show succeeded\n{diagnose()}")
+    page.wait_for_selector("a.download[data-kind=drafter]")  # listed by the reloaded page
+    wait_points(page, "chart-reward", 2)
     assert trace_points(page, "chart-reward") == 2
     page.screenshot(path=str(screenshots / "real-run-succeeded.png"), full_page=True)
     with page.expect_download() as download_info:
