@@ -112,6 +112,9 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
     from tltweb.runs.models import Run
 
     base = live_server.url
+    # A real trainer shares the 2 CPU cores with the browser and the live server here, so page
+    # loads can take far longer than Playwright's 20 s default; nothing below is a timing check.
+    page.set_default_timeout(120_000)
     login(page, base)
     page.goto(base + "/runs/new")
     page.fill("#id_name", "real run")
@@ -122,13 +125,13 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
 
     diagnose = lambda: _diagnose(run.id, celery_worker_proc)  # noqa: E731
     wait_for(lambda: trace_points(page, "chart-reward") >= 1, 300, "the first step on the chart", diagnose)
-    # A locator, not query_selector: the page reloads itself when the run ends, and a locator
-    # waits across that reload where an element handle cannot.
+    # The page reloads itself once the run ends; clicking before that reload lands would lose the
+    # click. data-active is rendered by the server only, so "0" means the reloaded page is here.
     try:
-        page.locator("#run-state .state-succeeded").wait_for(timeout=300_000)
+        page.locator('#dashboard[data-active="0"]').wait_for(timeout=300_000)
     except PlaywrightTimeoutError:
-        pytest.fail(f"timed out waiting for the page to show succeeded\n{diagnose()}")
-    page.wait_for_selector("a.download[data-kind=drafter]")  # listed by the reloaded page
+        pytest.fail(f"timed out waiting for the run to end\n{diagnose()}")
+    assert page.locator("#run-state .state-succeeded").count() == 1, diagnose()
     wait_points(page, "chart-reward", 2)
     assert trace_points(page, "chart-reward") == 2
     page.screenshot(path=str(screenshots / "real-run-succeeded.png"), full_page=True)
