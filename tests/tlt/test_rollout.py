@@ -124,7 +124,7 @@ def test_draft_vocab_size_uses_the_drafter_token_counts(model):
     drafter.token_counts = torch.zeros(48)
     drafter.token_counts[[40, 41, 42]] = torch.tensor([5.0, 9.0, 1.0])
     head = SpecPolicy(draft_vocab=2).draft_head(drafter, 48, eos_ids=[3])
-    assert head.ids.tolist() == [3, 40, 41] and head.weight.shape == (3, 32)
+    assert head.ids.tolist() == [3, 40, 41] and head.head.weight.shape == (3, 32)
     h = torch.randn(2, 32)
     assert torch.allclose(head.logits(h), drafter.logits(h)[:, [3, 40, 41]], atol=1e-6)
     assert SpecPolicy().draft_head(drafter, 48).ids is None  # 0: the full vocabulary

@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 import torch
 
+from .linear import Linear
 from .model import DecoderLayer, KVCache, ModelConfig, Transformer, init_weights, rope_tables, step_layout
 
 
@@ -24,7 +25,7 @@ class Drafter(nn.Module):
     def __init__(self, cfg: ModelConfig, target: Transformer | None = None):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)  # [emb(x_{i+1}); h_i] -> H
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)  # [emb(x_{i+1}); h_i] -> H
         self.layers = nn.ModuleList([DecoderLayer(cfg, input_norm=False)])
         # shared, frozen target parts; kept out of state_dict so checkpoints hold only our weights
         self._target: tuple[Transformer, ...] = (target,) if target is not None else ()

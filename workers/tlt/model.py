@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear import Linear
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -172,10 +174,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(nh * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], layer: int, cache: KVCache | None,
                 write_pos: Tensor | None, mask: Tensor | None) -> Tensor:
@@ -203,9 +205,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -240,7 +242,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

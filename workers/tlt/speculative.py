@@ -29,8 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import torch.nn.functional as F
-
+from .linear import Linear
 from .model import KVCache
 from .sampling import SamplingParams, process, sample
 
@@ -120,20 +119,20 @@ class DraftHead:
         self.drafter = drafter
         self.ids = ids
         self.vocab_size = vocab_size
-        self.weight: Tensor | None = None
+        self.head: Linear | None = None
         if ids is not None:
             if vocab_size is None:
                 raise ValueError("a reduced draft vocabulary needs the full vocab_size")
             w = _head_weight(drafter)
             self.ids = ids = ids.to(w.device if w is not None else device or ids.device)
             if w is not None:
-                self.weight = w.detach().index_select(0, ids)  # [V', H] contiguous: one small matmul per step
+                self.head = Linear.frozen(w.detach().index_select(0, ids))  # [V', H]: one small matmul per step
 
     def logits(self, h: Tensor) -> Tensor:
         if self.ids is None:
             return self.drafter.logits(h)
-        if self.weight is not None:
-            return F.linear(h, self.weight)
+        if self.head is not None:
+            return self.head(h)
         return self.drafter.logits(h).index_select(-1, self.ids)  # generic drafter: correct, not faster
 
     def token(self, i: Tensor) -> Tensor:

@@ -1,0 +1,73 @@
+"""workers/tlt/linear.py: the few-row CPU kernels compute what F.linear computes, and never with a
+stale packed weight."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.tlt.linear import MAX_FEW_ROWS, Linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, MAX_FEW_ROWS, MAX_FEW_ROWS + 1, 40])
+def test_equals_f_linear_for_any_number_of_rows(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (rows, 80)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_keeps_leading_dimensions():
+    layer = Linear(16, 24)
+    x = torch.randn(2, 3, 16)  # 6 rows: the packed path
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("update", ["in_place", "new_tensor"])
+def test_a_weight_update_reaches_the_packed_kernel(update):
+    """A policy weight sync changes the weight between two verify passes; the packed copy follows."""
+    layer = Linear(32, 32, bias=False)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        before = layer(x)
+        new = torch.randn(32, 32)
+        if update == "in_place":
+            layer.weight.copy_(new)
+        else:
+            layer.weight = torch.nn.Parameter(new)
+        after = layer(x)
+    torch.testing.assert_close(after, x @ new.t(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_training_keeps_autograd():
+    layer = Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_frozen_wraps_a_weight_without_copying_it():
+    w = torch.randn(10, 6)
+    head = Linear.frozen(w)
+    assert head.weight.data_ptr() == w.data_ptr() and head.bias is None and not head.weight.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(head(torch.randn(1, 6) * 0 + 1), w.sum(1)[None], rtol=1e-5, atol=1e-5)
+
+
+def test_pickles_without_its_packed_cache():
+    layer = Linear(16, 16)
+    with torch.no_grad():
+        layer(torch.randn(4, 16))
+    copy = pickle.loads(pickle.dumps(layer))
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(copy(x), layer(x))
