@@ -53,8 +53,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_VERSION = 2  # bump when the training recipe changes, so cached drafters are retrained
 
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
-    "smollm2": dict(max_new_tokens=256, train_prompts=160, train_steps=400, batch_tokens=1536, lr=1e-3,
-                    gen_batch=32, tail_prompts=4, arm="auto", draft_vocab=4096, train_vocab=8192,
+    "smollm2": dict(max_new_tokens=256, train_prompts=960, train_steps=1200, batch_tokens=1536, lr=1e-3,
+                    gen_batch=64, tail_prompts=4, arm="auto", draft_vocab=4096, train_vocab=8192,
                     rollout_prompts=8, threshold=4),
     "tiny": dict(max_new_tokens=192, train_prompts=256, train_steps=300, batch_tokens=2048, lr=2e-3,
                  gen_batch=64, tail_prompts=4, arm="d6k1v6", draft_vocab=0, train_vocab=0,
@@ -123,14 +123,16 @@ def load_policy(args: argparse.Namespace):
 
 # --- the adapted drafter --------------------------------------------------------------------------
 
-def _cache_key(folder: Path, args: argparse.Namespace) -> str:
+def _cache_key(folder: Path, args: argparse.Namespace, training: bool = True) -> str:
+    """Key of the cached training answers (training=False) or of the drafter trained on them."""
     st = [(f.name, f.stat().st_size) for f in sorted(folder.glob("*.safetensors"))]
     data = {"model": args.model, "folder": folder.name, "weights": st,
             "config": json.loads((folder / "config.json").read_text()), "dtype": args.dtype,
-            "train_prompts": args.train_prompts, "train_seed": args.train_seed, "steps": args.train_steps,
-            "batch_tokens": args.batch_tokens, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.train_temperature, "train_vocab": args.train_vocab,
-            "token_weight": args.token_weight, "v": CACHE_VERSION}
+            "train_prompts": args.train_prompts, "train_seed": args.train_seed,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.train_temperature}
+    if training:
+        data |= {"steps": args.train_steps, "batch_tokens": args.batch_tokens, "lr": args.lr,
+                 "train_vocab": args.train_vocab, "token_weight": args.token_weight, "v": CACHE_VERSION}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -185,6 +187,24 @@ def _generate_pairs(model, prompts, args, eos, seed: int):
     return out
 
 
+def _training_pairs(model, task, folder: Path, args: argparse.Namespace, eos):
+    """The policy's answers to the training prompts, generated once and cached (they take most of
+    the adaptation time, and a different training recipe can reuse them)."""
+    import torch
+
+    path = Path(args.cache_dir) / f"answers-{args.model}-{_cache_key(folder, args, training=False)}.pt"
+    if not args.retrain and path.exists():
+        pairs = torch.load(path)
+        log.info("loaded %d training responses from %s", len(pairs), path)
+        return pairs
+    prompts = [p.ids for p in task.sample_prompts(args.train_prompts, random.Random(args.train_seed))]
+    pairs = _generate_pairs(model, prompts, args, eos, seed=args.train_seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(pairs, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return pairs
+
+
 def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
     """Train (or load from the cache) the drafter on the policy's answers to training prompts."""
     import torch
@@ -206,8 +226,7 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
         return drafter.eval(), {**info, "cached": True, "cache": str(cache)}
 
     t0 = time.perf_counter()
-    prompts = [p.ids for p in task.sample_prompts(args.train_prompts, random.Random(args.train_seed))]
-    pairs = _generate_pairs(model, prompts, args, eos, seed=args.train_seed)
+    pairs = _training_pairs(model, task, folder, args, eos)
     gen_s = time.perf_counter() - t0
     counts = torch.zeros(V, dtype=torch.float64)
     buf = DrafterBuffer(max_tokens=10 ** 9)
