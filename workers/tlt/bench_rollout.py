@@ -143,30 +143,6 @@ def _lr_at(step: int, total: int, base: float, warmup: int) -> float:
     return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _loss(drafter, batch, head_w, token_weight: float):
-    """EAGLE loss on a buffer batch; the soft CE runs over the training vocabulary `sub` (None: all)."""
-    import torch
-    import torch.nn.functional as F
-
-    dev, dt = drafter.fc.weight.device, drafter.fc.weight.dtype
-    hidden = batch.hidden.to(device=dev, dtype=dt)
-    tokens = batch.tokens.to(dev)
-    mask = batch.mask[:, :-1].to(dev)
-    pred = drafter(hidden[:, :-1], tokens[:, 1:])[mask].float()
-    true = hidden[:, 1:][mask].float()
-    hidden_loss = F.smooth_l1_loss(pred, true)
-    w = head_w.float()
-    with torch.no_grad():
-        t_logits = F.linear(true, w)
-        t_p = t_logits.softmax(-1)
-        t_top = t_logits.argmax(-1)
-    p_logits = F.linear(pred, w)
-    token_loss = -(t_p * p_logits.log_softmax(-1)).sum(-1).mean()
-    with torch.no_grad():
-        hit = p_logits.argmax(-1) == t_top  # top-1 agreement within the training vocabulary
-    return hidden_loss + token_weight * token_loss, float(hit.float().mean()), int(pred.shape[0])
-
-
 def _generate_pairs(model, prompts, args, eos, seed: int):
     """The policy's own responses with harvested hidden states: [(tokens, hidden [L, H], prompt_len)]."""
     from .rollout import generate
@@ -212,6 +188,7 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
 
     from .buffer import DrafterBuffer
     from .drafter import Drafter
+    from .drafter_train import drafter_loss
 
     V = model.config.vocab_size
     cache = Path(args.cache_dir) / f"drafter-{args.model}-{_cache_key(folder, args)}"
@@ -233,13 +210,11 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
     for toks, hid, plen in pairs:
         counts += torch.bincount(torch.tensor(toks[plen:], dtype=torch.long), minlength=V).double()[:V]
         buf.add(toks, hid, response_start=plen, step=0)
-    head_w = model.lm_head.weight.detach()
-    sub = None
+    sub = None  # the training vocabulary of the soft cross-entropy (None: all)
     if args.train_vocab and args.train_vocab < V:
         from .speculative import draft_vocab_ids
 
         sub = draft_vocab_ids(counts, args.train_vocab, eos).to(model.device)
-        head_w = head_w.index_select(0, sub)
     n_resp = int(sum(len(t) - p for t, _, p in pairs))
     log.info("training the drafter: %d responses, %d response tokens, %d steps of %d tokens", len(pairs), n_resp,
              args.train_steps, args.batch_tokens)
@@ -257,7 +232,8 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, args.train_steps, args.lr, warm)
-            loss, acc, n = _loss(drafter, batch, head_w, args.token_weight)
+            loss, m = drafter_loss(drafter, batch, token_weight=args.token_weight, vocab=sub)
+            acc, n = m["accuracy"], m["tokens"]
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -26,28 +26,29 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .buffer import Batch, DrafterBuffer
-from .config import DrafterSection
 from .drafter import Drafter
 from .model import Transformer
+
+if TYPE_CHECKING:  # the config needs pydantic; the loss alone (bench rollout on a bare GPU node) does not
+    from .config import DrafterSection
 
 log = logging.getLogger(__name__)
 
 
-def _frozen_logits(drafter: Drafter, h: Tensor) -> Tensor:
-    """drafter.logits(h) with the LM head detached (same numbers, no gradient into the target)."""
-    return F.linear(h, drafter.target.lm_head.weight.detach())
+def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, token_weight: float = 0.1,
+                 vocab: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The EAGLE loss on the masked positions of `batch`; returns (loss, metrics).
 
-
-def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0,
-                 token_weight: float = 0.1) -> tuple[Tensor, dict[str, float]]:
-    """The EAGLE loss on the masked positions of `batch`; returns (loss, metrics)."""
+    `vocab` (sorted token ids) restricts the soft cross-entropy and the accuracy to those tokens,
+    e.g. the reduced draft vocabulary the drafter will propose from (None: the whole vocabulary).
+    """
     dtype = drafter.fc.weight.dtype
     device = drafter.fc.weight.device
     hidden = batch.hidden.to(device=device, dtype=dtype)  # [B, T, H]
@@ -61,10 +62,14 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0,
         zero = pred.sum() * 0.0
         return zero, {"loss": 0.0, "hidden_loss": 0.0, "token_loss": 0.0, "accuracy": 0.0, "tokens": 0}
     hidden_loss = F.smooth_l1_loss(pred_m.float(), true_m.float())
+    # the target's LM head, detached: same numbers, no gradient into a policy sharing the process
+    head = drafter.target.lm_head.weight.detach()
+    if vocab is not None:
+        head = head.index_select(0, vocab.to(head.device))
     with torch.no_grad():
-        target_logits = _frozen_logits(drafter, true_m).float()
+        target_logits = F.linear(true_m, head).float()
         target_p = torch.softmax(target_logits, dim=-1)
-    pred_logits = _frozen_logits(drafter, pred_m).float()
+    pred_logits = F.linear(pred_m, head).float()
     token_loss = -(target_p * torch.log_softmax(pred_logits, dim=-1)).sum(-1).mean()
     loss = hidden_weight * hidden_loss + token_weight * token_loss
     with torch.no_grad():
@@ -80,7 +85,11 @@ class DrafterTrainer:
     def __init__(self, drafter: Drafter, cfg: DrafterSection | None = None, accum: int = 1,
                  grad_clip: float = 1.0, weight_decay: float = 0.0, seed: int = 0):
         self.drafter = drafter
-        self.cfg = cfg or DrafterSection()
+        if cfg is None:
+            from .config import DrafterSection
+
+            cfg = DrafterSection()
+        self.cfg = cfg
         self.accum = max(1, accum)
         self.grad_clip = grad_clip
         self.params = [p for p in drafter.parameters() if p.requires_grad]
