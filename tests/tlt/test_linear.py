@@ -71,3 +71,13 @@ def test_pickles_without_its_packed_cache():
     with torch.no_grad():
         x = torch.randn(4, 16)
         torch.testing.assert_close(copy(x), layer(x))
+
+
+def test_inference_tensors_take_only_the_unpacked_paths():
+    """Weights made under inference_mode have no version counter to key a packed copy on."""
+    with torch.inference_mode():
+        layer = Linear.frozen(torch.randn(12, 8))
+        for rows in (1, 4):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert layer._packed is None

@@ -48,26 +48,21 @@ class Linear(nn.Linear):
         return {**state, "_packed": None}  # a cache, and oneDNN's packed tensors do not pickle
 
     def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if not 1 <= rows <= MAX_FEW_ROWS or not self._few_row_kernels_apply(x):
-            return F.linear(x, self.weight, self.bias)
+        if not 1 <= rows <= MAX_FEW_ROWS or not _cpu_float32_inference(x, w):
+            return F.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
         if rows == 1:
             # [x; x] as the transposed view of a contiguous [2, in] block: the layout sgemm streams fast
-            y = torch.mm(self.weight, torch.cat([x2, x2]).t())[:, :1].t()
+            y = torch.mm(w, torch.cat([x2, x2]).t())[:, :1].t()
             if self.bias is not None:
                 y = y + self.bias
-        else:
+        elif _ONEDNN and not w.is_inference():  # the packing is keyed by a version counter, which
             y = torch.ops.mkldnn._linear_pointwise(x2, self._packed_weight(), self.bias, "none", [], "")
+        else:                                   # inference tensors do not have
+            return F.linear(x, w, self.bias)
         return y.reshape(*x.shape[:-1], -1)
-
-    def _few_row_kernels_apply(self, x: Tensor) -> bool:
-        w = self.weight
-        if not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
-            return False
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return False  # training: keep autograd's own path
-        return not w.is_inference()  # inference tensors carry no version counter to key the packing
 
     def _packed_weight(self) -> Tensor:
         w = self.weight
@@ -75,3 +70,9 @@ class Linear(nn.Linear):
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT))
         return self._packed[1]
+
+
+def _cpu_float32_inference(x: Tensor, w: Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))  # autograd keeps its path

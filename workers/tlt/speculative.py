@@ -126,7 +126,8 @@ class DraftHead:
             w = _head_weight(drafter)
             self.ids = ids = ids.to(w.device if w is not None else device or ids.device)
             if w is not None:
-                self.head = Linear.frozen(w.detach().index_select(0, ids))  # [V', H]: one small matmul per step
+                with torch.inference_mode(False):  # a normal tensor: Linear's packed kernels need one
+                    self.head = Linear.frozen(w.detach().index_select(0, ids))  # [V', H]: one small matmul per step
 
     def logits(self, h: Tensor) -> Tensor:
         if self.ids is None:
