@@ -1,5 +1,5 @@
 """workers/tlt/linear.py: the few-row CPU kernels compute what F.linear computes, and never with a
-stale packed weight."""
+stale packed weight. Layers meant to take the fast paths are >= 256 x 256, above MIN_WEIGHT_NUMEL."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tlt.linear import MAX_FEW_ROWS, Linear
+from workers.tlt.linear import MAX_FEW_ROWS, MIN_WEIGHT_NUMEL, Linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, MAX_FEW_ROWS, MAX_FEW_ROWS + 1, 40])
 def test_equals_f_linear_for_any_number_of_rows(rows, bias):
     torch.manual_seed(rows)
-    layer = Linear(48, 80, bias=bias)
-    x = torch.randn(rows, 48)
+    layer = Linear(256, 320, bias=bias)
+    x = torch.randn(rows, 256)
     with torch.inference_mode():
         got = layer(x)
-    assert got.shape == (rows, 80)
+    assert got.shape == (rows, 320)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_keeps_leading_dimensions():
-    layer = Linear(16, 24)
-    x = torch.randn(2, 3, 16)  # 6 rows: the packed path
+    layer = Linear(256, 320)
+    x = torch.randn(2, 3, 256)  # 6 rows: the packed path
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
@@ -34,11 +34,11 @@ def test_keeps_leading_dimensions():
 @pytest.mark.parametrize("update", ["in_place", "new_tensor"])
 def test_a_weight_update_reaches_the_packed_kernel(update):
     """A policy weight sync changes the weight between two verify passes; the packed copy follows."""
-    layer = Linear(32, 32, bias=False)
-    x = torch.randn(4, 32)
+    layer = Linear(256, 256, bias=False)
+    x = torch.randn(4, 256)
     with torch.no_grad():
         before = layer(x)
-        new = torch.randn(32, 32)
+        new = torch.randn(256, 256)
         if update == "in_place":
             layer.weight.copy_(new)
         else:
@@ -64,20 +64,29 @@ def test_frozen_wraps_a_weight_without_copying_it():
 
 
 def test_pickles_without_its_packed_cache():
-    layer = Linear(16, 16)
+    layer = Linear(256, 256)
     with torch.no_grad():
-        layer(torch.randn(4, 16))
+        layer(torch.randn(4, 256))
     copy = pickle.loads(pickle.dumps(layer))
     with torch.no_grad():
-        x = torch.randn(4, 16)
+        x = torch.randn(4, 256)
         torch.testing.assert_close(copy(x), layer(x))
 
 
 def test_inference_tensors_take_only_the_unpacked_paths():
     """Weights made under inference_mode have no version counter to key a packed copy on."""
     with torch.inference_mode():
-        layer = Linear.frozen(torch.randn(12, 8))
+        layer = Linear.frozen(torch.randn(300, 256))
         for rows in (1, 4):
-            x = torch.randn(rows, 8)
+            x = torch.randn(rows, 256)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
     assert layer._packed is None
+
+
+def test_small_weights_and_the_packed_path_are_told_apart():
+    small, big = Linear(64, 64), Linear(256, 256)
+    assert small.weight.numel() < MIN_WEIGHT_NUMEL <= big.weight.numel()
+    with torch.no_grad():
+        small(torch.randn(4, 64))
+        big(torch.randn(4, 256))
+    assert small._packed is None and big._packed is not None

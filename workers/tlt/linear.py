@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 MAX_FEW_ROWS = 64  # measured up to 64 rows (a tail batch's decode, or a few rows' verify passes):
                    # pre-packed oneDNN still takes 0.55-0.7x the default GEMM's time there
+MIN_WEIGHT_NUMEL = 1 << 16  # smaller weights sit in cache, where F.linear with less Python wins
+                            # (the tiny model: 64 wide, its decode is all per-op overhead)
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64 here
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -50,7 +52,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if not 1 <= rows <= MAX_FEW_ROWS or not _cpu_float32_inference(x, w):
+        if not 1 <= rows <= MAX_FEW_ROWS or w.numel() < MIN_WEIGHT_NUMEL or not _cpu_float32_inference(x, w):
             return F.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
         if rows == 1:
