@@ -22,13 +22,13 @@ What it does, in one process on one machine:
 
 Progress goes to stderr; the LAST stdout line is one JSON object (keys in `run`'s docstring).
 
-CPU notes (SmolLM2-135M, fp32, 2 AVX2 cores, no AVX-512/AMX): a batch-1 decode step is memory-bound
-(~60-65 ms: ~540 MB of weights per step, the 49152 x 576 LM head alone ~10 ms). Verifying T = 5-9
-tokens is compute-bound in MKL's small-M sgemm (~16-27 GFLOP/s here) and costs ~1.5-2.2 decode steps,
-so SD pays only when the acceptance length exceeds that ratio. The reduced draft vocabulary
-(--draft-vocab 4096) cuts each draft step's head from ~10-14 ms to ~0.8 ms. bfloat16/float16 weights
-are slower here for T > 1 (no native bf16 matmul), so float32 is the default. Under CPU contention
-MKL with 2 threads collapses for M >= 2 matmuls (~15 ms each); measure on a quiet machine.
+CPU notes (SmolLM2-135M, fp32, 2 AVX2 cores, no AVX-512/AMX): decode and verify passes are bound
+by reading ~540 MB of weights. PyTorch's default kernels (MKL sgemv for one row, small-M sgemm for
+a few) read them at ~11 GB/s; linear.py routes them to faster kernels, so a batch-1 decode step
+takes ~31 ms (was ~58) and verifying 7 tokens ~45 ms (~1.5 decode steps). The reduced draft
+vocabulary (--draft-vocab 4096) cuts each draft step's head from ~10 ms to well under 1 ms.
+bfloat16/float16 weights are slower here for T > 1 (no native bf16 matmul), so float32 is the
+default. Under CPU contention the multi-threaded matmuls slow down badly; measure on a quiet machine.
 Needs only torch, transformers, safetensors, tokenizers and this package (no Ray, Django, vLLM).
 """
 
