@@ -201,6 +201,7 @@ def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ray_head
             "data_folder_in": str(work / "broker" / "queue"),
             "data_folder_out": str(work / "broker" / "queue"),
             "data_folder_processed": str(work / "broker" / "processed"),
+            "control_folder": str(work / "broker" / "control"),  # default: ./control in the cwd
         }
     if app._pool is not None:  # forget producer connections made with the old broker options
         app._pool.force_close_all()
