@@ -60,9 +60,9 @@ class Linear(nn.Linear):
             y = torch.mm(w, torch.cat([x2, x2]).t())[:, :1].t()
             if self.bias is not None:
                 y = y + self.bias
-        elif _ONEDNN and not w.is_inference():  # the packing is keyed by a version counter, which
+        elif _ONEDNN and not w.is_inference():  # the packed copy is keyed by the version counter,
             y = torch.ops.mkldnn._linear_pointwise(x2, self._packed_weight(), self.bias, "none", [], "")
-        else:                                   # inference tensors do not have
+        else:  # which inference tensors lack
             return F.linear(x, w, self.bias)
         return y.reshape(*x.shape[:-1], -1)
 
