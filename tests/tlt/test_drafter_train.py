@@ -10,7 +10,7 @@ import torch
 from workers.tlt.buffer import DrafterBuffer
 from workers.tlt.config import DrafterSection, ModelSection
 from workers.tlt.drafter import Drafter
-from workers.tlt.drafter_train import DrafterTrainer, average_state_dicts, drafter_loss
+from workers.tlt.drafter_train import DrafterTrainer, average_state_dicts, drafter_loss, unrolled_predictions
 from workers.tlt.sft import build_tiny_model
 
 SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -118,6 +118,42 @@ def test_training_lowers_the_loss_and_raises_agreement(target):
     after = drafter_loss(drafter, next(buf.batches(4096)))[1]
     assert after["loss"] < 0.7 * before["loss"]
     assert after["accuracy"] > before["accuracy"]
+
+
+def test_unrolled_steps_compute_what_drafting_computes(target):
+    # step m at position i, as drafting runs it: a causal pass over the target states up to
+    # h_{i-m+1}, then steps 2..m one token at a time on the drafter's own predictions
+    drafter = Drafter.for_target(target, seed=3).eval()
+    toks = torch.randint(4, 18, (2, 14), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden = target(toks).hidden
+        preds = unrolled_predictions(drafter, hidden, toks, unroll=3)
+        for m in (1, 2, 3):
+            for i in (m - 1, 6, 12):
+                start = i - m + 1  # last target state the chain reads
+                cache = drafter.new_cache(2, 32)
+                pos = torch.arange(start + 1).expand(2, -1)
+                h = drafter(hidden[:, : start + 1], toks[:, 1 : start + 2], pos, cache)[:, -1:]
+                cache.lengths += start + 1
+                for j in range(start + 1, i + 1):
+                    h = drafter(h, toks[:, j + 1 : j + 2], torch.full((2, 1), j), cache)
+                    cache.lengths += 1
+                assert torch.allclose(preds[m - 1][:, i], h[:, 0], atol=1e-5), (m, i)
+
+
+def test_unrolled_training_trains_every_step(target):
+    buf = harvested_buffer(target)
+    drafter = Drafter.for_target(target, seed=0)
+    batch = next(buf.batches(4096))
+    loss, m = drafter_loss(drafter, batch, unroll=3)
+    assert set(m) >= {"accuracy", "accuracy_2", "accuracy_3"}
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters() if p.requires_grad)
+    trainer = DrafterTrainer(Drafter.for_target(target, seed=0), DrafterSection(lr=3e-3, batch_tokens=4096, unroll=3))
+    before = drafter_loss(trainer.drafter, batch, unroll=3)[1]
+    trainer.train(buf, max_steps=40)
+    after = drafter_loss(trainer.drafter, batch, unroll=3)[1]
+    assert after["loss"] < before["loss"]
 
 
 def test_preemption_applies_only_whole_optimizer_steps(target):

@@ -80,6 +80,37 @@ def test_micro_batching_does_not_change_the_update():
             assert torch.allclose(results[0][k], other[k], atol=1e-5), k
 
 
+def test_skipping_zero_advantage_rows_gives_the_full_batch_update():
+    # reference: the token-mean clipped loss over EVERY row (ratio 1 at the first step, so its
+    # gradient is -adv * d logp / tokens), by hand
+    batch = make_batch()  # group 2 all rewarded: zero advantage
+    ref_policy = tiny_policy()
+    tokens, mask, _ = pad_sequences(batch.prompts, batch.responses, 0)
+    adv = group_advantages(torch.tensor(batch.rewards), 3)
+    lp = token_logprobs(ref_policy, tokens)
+    (-(torch.exp(lp - lp.detach()) * adv[:, None] * mask).sum() / mask.sum()).backward()
+    with torch.no_grad():
+        for p in ref_policy.parameters():
+            p -= p.grad
+
+    policy = tiny_policy()
+    learner = GRPOLearner(policy, GRPOSection(micro_batch=2, grad_clip=100.0), pad_id=0)
+    learner.optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    metrics = learner.step(batch)
+    assert metrics["learner/rows_run"] == 3.0  # the zero-advantage group never ran
+    for k, v in ref_policy.state_dict().items():
+        assert torch.allclose(policy.state_dict()[k], v, atol=1e-6), k
+
+
+def test_rows_are_kept_when_their_hidden_states_or_a_kl_term_need_them():
+    batch = make_batch()
+    learner = GRPOLearner(tiny_policy(), GRPOSection(micro_batch=4), pad_id=0)
+    assert learner.step(batch, harvest_hidden=True)["learner/rows_run"] == 6.0
+    assert [h.shape[0] for h in learner.last_hidden] == [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    kl_learner = GRPOLearner(tiny_policy(), GRPOSection(kl_coef=0.1), pad_id=0)
+    assert kl_learner.step(batch)["learner/rows_run"] == 6.0
+
+
 def test_zero_variance_groups_leave_the_policy_unchanged():
     policy = tiny_policy()
     before = copy.deepcopy(policy.state_dict())

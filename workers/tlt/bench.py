@@ -1,6 +1,7 @@
 """Benchmarks that print the headline TLT figures; the LAST stdout line is one JSON object.
 
     python -m workers.tlt.bench e2e [--preset tiny-cpu|smollm2-cpu] [--steps N] [--out DIR]
+                                    [--set drafter.warmup_steps=800 ...]   # preset overrides
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
 
 e2e trains the same config twice in one invocation, same seed, on the same machine and Ray
@@ -133,9 +134,24 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     }
 
 
+def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """["drafter.lr=2e-3", "spec.strategies=[[4,1,4]]"] -> {"drafter": {"lr": ...}, "spec": {...}}
+    (values are YAML; the config validates them and names a bad field)."""
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        if not (sep and dot and section and field):
+            raise SystemExit(f"--set {item!r}: expected section.field=value")
+        out.setdefault(section, {})[field] = yaml.safe_load(value)
+    return out
+
+
 def cmd_e2e(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlt-bench-e2e-"))
-    result = e2e(args.preset, args.steps, out)
+    result = e2e(args.preset, args.steps, out, overrides=parse_overrides(args.set))
     result["out"] = str(out)
     print(json.dumps(result), flush=True)
     return 0
@@ -170,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny-cpu", choices=["tiny-cpu", "smollm2-cpu"])
     p.add_argument("--steps", type=int, help="RL steps per run (default: the preset's)")
     p.add_argument("--out", help="folder for both runs' metrics (default: a temp folder)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a preset field for both runs (repeatable), e.g. drafter.warmup_steps=800")
     p.set_defaults(func=cmd_e2e)
     add_rollout_parser(sub)
     args = parser.parse_args(argv)

@@ -55,10 +55,10 @@ CACHE_VERSION = 2  # bump when the training recipe changes, so cached drafters a
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
     "smollm2": dict(max_new_tokens=256, train_prompts=960, train_steps=1200, batch_tokens=1536, lr=1e-3,
                     gen_batch=64, tail_prompts=4, arm="auto", draft_vocab=4096, train_vocab=8192,
-                    rollout_prompts=8, threshold=4),
+                    rollout_prompts=8, threshold=4, unroll=1),
     "tiny": dict(max_new_tokens=192, train_prompts=256, train_steps=300, batch_tokens=2048, lr=2e-3,
                  gen_batch=64, tail_prompts=4, arm="d6k1v6", draft_vocab=0, train_vocab=0,
-                 rollout_prompts=32, threshold=8),
+                 rollout_prompts=32, threshold=8, unroll=1),
 }
 
 
@@ -133,6 +133,8 @@ def _cache_key(folder: Path, args: argparse.Namespace, training: bool = True) ->
     if training:
         data |= {"steps": args.train_steps, "batch_tokens": args.batch_tokens, "lr": args.lr,
                  "train_vocab": args.train_vocab, "token_weight": args.token_weight, "v": CACHE_VERSION}
+        if args.unroll > 1:  # keys of plain-EAGLE drafters stay what they were
+            data["unroll"] = args.unroll
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -232,7 +234,7 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, args.train_steps, args.lr, warm)
-            loss, m = drafter_loss(drafter, batch, token_weight=args.token_weight, vocab=sub)
+            loss, m = drafter_loss(drafter, batch, token_weight=args.token_weight, vocab=sub, unroll=args.unroll)
             acc, n = m["accuracy"], m["tokens"]
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -242,14 +244,15 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
             step += 1
             if step % 25 == 0 or step == args.train_steps:
                 recent = accs[-25:]
-                log.info("drafter step %d/%d  loss %.4f  top-1 %.3f  (%.2f s/step)", step, args.train_steps,
-                         loss.item(), sum(a * n for a, n in recent) / max(1, sum(n for _, n in recent)),
+                later = " ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("accuracy_"))
+                log.info("drafter step %d/%d  loss %.4f  top-1 %.3f %s (%.2f s/step)", step, args.train_steps,
+                         loss.item(), sum(a * n for a, n in recent) / max(1, sum(n for _, n in recent)), later,
                          (time.perf_counter() - t1) / step)
     drafter.eval()
     last = accs[-max(1, len(accs) // 10):]
     info = {"steps": step, "train_top1": sum(a * n for a, n in last) / max(1, sum(n for _, n in last)),
             "train_responses": len(pairs), "train_response_tokens": n_resp, "generate_s": round(gen_s, 1),
-            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": args.train_vocab}
+            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": args.train_vocab, "unroll": args.unroll}
     drafter.token_counts = counts.float()
     cache.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
@@ -508,6 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float)
     g.add_argument("--token-weight", type=float, default=0.1, help="weight of the soft cross-entropy term")
     g.add_argument("--train-vocab", type=int, help="vocabulary of the training cross-entropy (0: full)")
+    g.add_argument("--unroll", type=int, help="draft steps trained per position (training-time test; 1: plain EAGLE)")
     g.add_argument("--gen-batch", type=int)
     g.add_argument("--sft-steps", type=int, help="tiny: SFT steps when no cached tiny policy is used")
     g.add_argument("--cache-dir", default=str(REPO_ROOT / "var" / "bench"))

@@ -128,6 +128,12 @@ class DrafterSection(_Section):
     buffer_tokens: int = Field(200_000, ge=256, description="Online buffer budget; oldest records are evicted first.")
     hidden_loss_weight: float = Field(1.0, ge=0, description="SmoothL1 on the predicted next hidden state.")
     token_loss_weight: float = Field(0.1, ge=0, description="Soft cross-entropy against the target's distribution.")
+    unroll: int = Field(
+        1, ge=1, le=8,
+        description="Draft steps trained per position (EAGLE-3's training-time test): steps 2..N read the "
+                    "drafter's own predicted states, as when drafting, which keeps later draft positions "
+                    "accurate; each step costs about one more training pass. 1: plain EAGLE training.",
+    )
 
 
 class GRPOSection(_Section):

@@ -53,10 +53,10 @@ class Drafter(nn.Module):
             raise RuntimeError("drafter has no target attached; call attach(target)")
         return self._target[0]
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, differentiable: bool = False) -> KVCache:
         c = self.config
         p = self.fc.weight
-        return KVCache(1, batch, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+        return KVCache(1, batch, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device, differentiable)
 
     def forward(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, write_pos: Tensor | None = None, mask: Tensor | None = None) -> Tensor:

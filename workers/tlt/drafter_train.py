@@ -16,6 +16,13 @@ averaged over the masked positions (SmoothL1 also over the H features). The targ
 LM head are used frozen: their weights are detached here, so training the drafter never writes
 gradients into a policy that shares the process.
 
+Unrolled training (`unroll` N > 1, EAGLE-3's "training-time test"): when drafting, step m > 1
+reads the drafter's OWN prediction of the previous state, not the target's, and a drafter trained
+only on target states drifts there (acceptance drops at every position after the first). So the
+loss also runs draft steps 2..N as they run at decoding time: step m at position i reads step
+m-1's prediction at i-1 and attends to step-1 keys up to i-m+1 (target states) plus the keys of
+steps 2..m on its own chain (see `unrolled_mask`); the N steps' losses are averaged.
+
 Preemption: `train` checks `should_stop()` before every micro-batch. An optimizer step is applied
 only after all of its `accum` micro-batches; a stop in between discards the partial gradients, so
 the weights are always those of a whole number of steps.
@@ -42,41 +49,86 @@ if TYPE_CHECKING:  # the config needs pydantic; the loss alone (bench rollout on
 log = logging.getLogger(__name__)
 
 
+def unrolled_mask(T: int, step: int, device=None) -> Tensor:
+    """[T, step*T] attention mask of draft step `step` (1-based) in unrolled training.
+
+    Cache slot (l-1)*T + j holds draft step l's key at position j. The query of step m at position
+    i is the m-th draft step after the target state h_{i-m+1}: it sees step 1's keys at positions
+    <= i-m+1 (computed from target states, as the drafter's cache holds them when drafting) and
+    step l's key at position i-m+l for l = 2..m (its own chain). Step 1 is plain causal attention.
+    """
+    slot = torch.arange(step * T, device=device)
+    level, pos = slot // T + 1, slot % T  # [S]
+    i = torch.arange(T, device=device)[:, None]  # [T, 1]
+    return torch.where(level == 1, pos <= i - step + 1, pos == i - step + level)
+
+
+def unrolled_predictions(drafter: Drafter, hidden: Tensor, tokens: Tensor, unroll: int = 1) -> list[Tensor]:
+    """Draft steps 1..unroll at every position: preds[m-1][:, i] ~ h_{i+1} (valid for i >= m-1).
+
+    hidden: [B, T+1, H] target states; tokens: [B, T+1] ids. Step 1 reads the target states.
+    """
+    if unroll <= 1:
+        return [drafter(hidden[:, :-1], tokens[:, 1:])]
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    cache = drafter.new_cache(B, unroll * T, differentiable=True)
+    positions = torch.arange(T, device=tokens.device).expand(B, T)
+    preds, h_in = [], hidden[:, :-1]
+    for m in range(1, unroll + 1):
+        step_mask = unrolled_mask(T, m, tokens.device).expand(B, T, m * T)
+        preds.append(drafter(h_in, tokens[:, 1:], positions, cache, positions + (m - 1) * T, step_mask))
+        h_in = torch.cat([preds[-1][:, :1], preds[-1][:, :-1]], dim=1)  # step m+1 at i reads step m at i-1
+    return preds
+
+
 def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, token_weight: float = 0.1,
-                 vocab: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The EAGLE loss on the masked positions of `batch`; returns (loss, metrics).
+                 vocab: Tensor | None = None, unroll: int = 1) -> tuple[Tensor, dict[str, float]]:
+    """The EAGLE loss on the masked positions of `batch`, over `unroll` draft steps; returns (loss, metrics).
 
     `vocab` (sorted token ids) restricts the soft cross-entropy and the accuracy to those tokens,
     e.g. the reduced draft vocabulary the drafter will propose from (None: the whole vocabulary).
+    metrics["accuracy"] is draft step 1's top-1 agreement; "accuracy_<m>" that of step m > 1.
     """
     dtype = drafter.fc.weight.dtype
     device = drafter.fc.weight.device
     hidden = batch.hidden.to(device=device, dtype=dtype)  # [B, T, H]
     tokens = batch.tokens.to(device)
     mask = batch.mask[:, :-1].to(device)  # [B, T-1]: position i predicts h_{i+1}
-    pred = drafter(hidden[:, :-1], tokens[:, 1:])  # [B, T-1, H]
-    pred_m = pred[mask]  # [N, H]
-    true_m = hidden[:, 1:][mask]  # [N, H]
-    n = pred_m.shape[0]
-    if n == 0:
-        zero = pred.sum() * 0.0
-        return zero, {"loss": 0.0, "hidden_loss": 0.0, "token_loss": 0.0, "accuracy": 0.0, "tokens": 0}
-    hidden_loss = F.smooth_l1_loss(pred_m.float(), true_m.float())
+    true = hidden[:, 1:]
     # the target's LM head, detached: same numbers, no gradient into a policy sharing the process
     head = drafter.target.lm_head.weight.detach()
     if vocab is not None:
         head = head.index_select(0, vocab.to(head.device))
-    with torch.no_grad():
-        target_logits = F.linear(true_m, head).float()
-        target_p = torch.softmax(target_logits, dim=-1)
-    pred_logits = F.linear(pred_m, head).float()
-    token_loss = -(target_p * torch.log_softmax(pred_logits, dim=-1)).sum(-1).mean()
-    loss = hidden_weight * hidden_loss + token_weight * token_loss
-    with torch.no_grad():
-        acc = (pred_logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    return loss, {"loss": float(loss.detach()), "hidden_loss": float(hidden_loss.detach()),
-                  "token_loss": float(token_loss.detach()),
-                  "accuracy": float(acc), "tokens": n}
+
+    preds = unrolled_predictions(drafter, hidden, tokens, unroll)
+    metrics: dict[str, float] = {}
+    losses = []
+    for m, pred in enumerate(preds, start=1):
+        valid = mask.clone()
+        valid[:, : m - 1] = False  # step m at i needs a chain back to the target state at i-m+1 >= 0
+        pred_m, true_m = pred[valid], true[valid]  # [N, H]
+        if pred_m.shape[0] == 0:
+            losses.append(pred.sum() * 0.0)
+            continue
+        hidden_loss = F.smooth_l1_loss(pred_m.float(), true_m.float())
+        with torch.no_grad():
+            target_logits = F.linear(true_m, head).float()
+            target_p = torch.softmax(target_logits, dim=-1)
+        pred_logits = F.linear(pred_m, head).float()
+        token_loss = -(target_p * torch.log_softmax(pred_logits, dim=-1)).sum(-1).mean()
+        losses.append(hidden_weight * hidden_loss + token_weight * token_loss)
+        with torch.no_grad():
+            acc = float((pred_logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
+        if m == 1:
+            metrics.update(hidden_loss=float(hidden_loss.detach()), token_loss=float(token_loss.detach()),
+                           accuracy=acc)
+        else:
+            metrics[f"accuracy_{m}"] = acc
+    loss = torch.stack(losses).mean()
+    n = int(mask.sum())
+    if n == 0:
+        return loss, {"loss": 0.0, "hidden_loss": 0.0, "token_loss": 0.0, "accuracy": 0.0, "tokens": 0}
+    return loss, {"loss": float(loss.detach()), **metrics, "tokens": n}
 
 
 class DrafterTrainer:
@@ -99,7 +151,8 @@ class DrafterTrainer:
         self.rng = random.Random(seed)
 
     def _loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        return drafter_loss(self.drafter, batch, self.cfg.hidden_loss_weight, self.cfg.token_loss_weight)
+        return drafter_loss(self.drafter, batch, self.cfg.hidden_loss_weight, self.cfg.token_loss_weight,
+                            unroll=self.cfg.unroll)
 
     def _apply(self) -> None:
         if self.grad_clip:
@@ -213,7 +266,8 @@ def _mean_metrics(ms: list[dict[str, float]]) -> dict[str, float]:
     if len(ms) == 1:
         return dict(ms[0])
     tokens = sum(m["tokens"] for m in ms) or 1
-    out = {k: sum(m[k] * m["tokens"] for m in ms) / tokens for k in ms[0] if k != "tokens"}
+    keys = {k for m in ms for k in m if k != "tokens"}  # an empty batch reports no per-step accuracies
+    out = {k: sum(m.get(k, 0.0) * m["tokens"] for m in ms) / tokens for k in sorted(keys)}
     out["tokens"] = tokens
     return out
 

@@ -15,6 +15,12 @@ scoring pass); the rollout engine's log-probs are only compared with them,
 computes the loss in micro-batches of `grpo.micro_batch` sequences, accumulating gradients so that the loss is the mean
 over every response token of the step (token-mean aggregation), (3) clips the global gradient
 norm and takes one AdamW step. Samples of a prompt are contiguous: rows g*n .. g*n+n-1.
+
+Two things make the pass cheaper without changing the update. Rows whose gradient is exactly
+zero are not run: a sample with zero advantage (its whole group got the same reward) contributes
+nothing to the clipped loss when there is no KL term, and the denominator stays every response
+token of the step. Micro-batches are formed from rows sorted by length, so a long-tail step pads
+its few long answers together instead of padding every micro-batch to the longest one.
 """
 
 from __future__ import annotations
@@ -110,13 +116,17 @@ class GRPOLearner:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
 
-    def _micro_batches(self, n: int) -> list[slice]:
+    def _micro_batches(self, batch: RolloutBatch, adv: Tensor, every_row: bool) -> list[list[int]]:
+        """Row indices per micro-batch: the rows with a gradient (all of them when `every_row`),
+        longest first, `grpo.micro_batch` at a time."""
+        rows = [i for i in range(len(batch.prompts)) if every_row or adv[i] != 0]
+        rows.sort(key=lambda i: -(len(batch.prompts[i]) + len(batch.responses[i])))
         mb = self.cfg.micro_batch
-        return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
+        return [rows[i : i + mb] for i in range(0, len(rows), mb)]
 
     @torch.no_grad()
-    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: slice) -> Tensor:
-        tokens, _, _ = pad_sequences(batch.prompts[rows], batch.responses[rows], self.pad_id)
+    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: list[int]) -> Tensor:
+        tokens, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows], self.pad_id)
         return token_logprobs(model, tokens.to(model.device)).cpu()
 
     def step(self, batch: RolloutBatch, harvest_hidden: bool = False) -> dict[str, float]:
@@ -129,14 +139,16 @@ class GRPOLearner:
         cfg = self.cfg
         n = len(batch.prompts)
         adv = group_advantages(torch.tensor(batch.rewards), batch.group_size)  # [N]
-        chunks = self._micro_batches(n)
+        # zero-advantage rows still matter with a KL term (its gradient) or when their hidden
+        # states are wanted; otherwise their gradient is exactly zero and they are skipped
+        chunks = self._micro_batches(batch, adv, every_row=self.ref is not None or harvest_hidden)
         total_tokens = float(sum(len(r) for r in batch.responses))
         denom = max(total_tokens, 1.0)
         # Old log-probs: the policy is unchanged since the rollout and takes ONE optimizer step on
         # this batch, so they are exactly the training forward's own log-probs, detached (ratio 1,
         # the same gradient): no separate scoring pass. The frozen reference needs its own.
         ref = [self._logprobs(self.ref, batch, c) for c in chunks] if self.ref is not None else None
-        self.last_hidden = [] if harvest_hidden else None
+        hidden_by_row: dict[int, Tensor] = {}
 
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -144,17 +156,17 @@ class GRPOLearner:
         mismatch_n = 0
         device = self.policy.device
         for i, c in enumerate(chunks):
-            tokens, mask, _ = pad_sequences(batch.prompts[c], batch.responses[c], self.pad_id)
+            tokens, mask, _ = pad_sequences([batch.prompts[r] for r in c], [batch.responses[r] for r in c], self.pad_id)
             tokens, mask = tokens.to(device), mask.to(device)
             a = adv[c].to(device)[:, None]  # [b, 1]
             lp, hidden = token_logprobs(self.policy, tokens, return_hidden=True)  # [b, T-1], [b, T, H]
             old_lp = lp.detach()
-            if self.last_hidden is not None:  # unpadded [L, H] per row, fp16 on CPU
-                for b, row in enumerate(range(c.start, c.stop)):
+            if harvest_hidden:  # unpadded [L, H] per row, fp16 on CPU
+                for b, row in enumerate(c):
                     L = len(batch.prompts[row]) + len(batch.responses[row])
-                    self.last_hidden.append(hidden[b, :L].detach().to("cpu", torch.float16))
-            if batch.rollout_logprobs is not None:  # the engine's log-probs vs ours
-                for b, row in enumerate(range(c.start, c.stop)):
+                    hidden_by_row[row] = hidden[b, :L].detach().to("cpu", torch.float16)
+            if batch.rollout_logprobs is not None:  # the engine's log-probs vs ours, on the rows run
+                for b, row in enumerate(c):
                     rl = batch.rollout_logprobs[row]
                     if not len(rl):
                         continue
@@ -175,6 +187,7 @@ class GRPOLearner:
             loss.backward()
             loss_sum += float(loss.detach())
             clipped += float((((ratio - 1.0).abs() > cfg.clip_eps).float() * mask).sum())
+        self.last_hidden = [hidden_by_row[r] for r in range(n)] if harvest_hidden else None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -186,6 +199,7 @@ class GRPOLearner:
             "learner/clip_frac": clipped / denom,
             "learner/adv_abs_mean": float(adv.abs().mean()),
             "learner/tokens": total_tokens,
+            "learner/rows_run": float(sum(len(c) for c in chunks)),
             "rollout/logprob_mismatch": mismatch_sum / mismatch_n if mismatch_n else 0.0,
         }
 

@@ -33,7 +33,7 @@ SCALAR_KEYS = {
     "rollout/tokens_per_s": "generated tokens per second, whole rollout, all workers",
     "rollout/tail_tokens_per_s_sd": "tokens/s while SD was on (tail)",
     "rollout/tail_tokens_per_s_no_sd": "tokens/s in the tail with SD off (baseline runs, or before the switch)",
-    "rollout/logprob_mismatch": "mean |rollout log-prob - learner log-prob| per token",
+    "rollout/logprob_mismatch": "mean |rollout log-prob - learner log-prob| per token, on the rows the learner ran",
     "spec/acceptance_length": "tokens emitted per verify pass while SD was on",
     "spec/switch_on_s": "seconds into the rollout when SD first switched on (-1: never)",
     "drafter/loss": "spot-training loss (last window)",

@@ -107,14 +107,28 @@ class KVCache:
 
     Entries at index >= lengths[b] are garbage by contract: attention masks exclude them and the
     next write overwrites them, which is what makes rollback a matter of lowering `lengths`.
+    `differentiable` caches write out of place, so that gradients flow through keys written by
+    earlier passes (the drafter's unrolled training); decoding writes in place.
     """
 
-    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv: int, head_dim: int, dtype, device):
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv: int, head_dim: int, dtype, device,
+                 differentiable: bool = False):
         shape = (batch, max_len, n_kv, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.differentiable = differentiable
+
+    def write(self, layer: int, write_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v [B, T, n_kv, hd] at cache indices write_pos [B, T] of `layer`."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        if self.differentiable:
+            self.k[layer] = self.k[layer].index_put((rows, write_pos), k)
+            self.v[layer] = self.v[layer].index_put((rows, write_pos), v)
+        else:
+            self.k[layer][rows, write_pos] = k
+            self.v[layer][rows, write_pos] = v
 
     @property
     def batch(self) -> int:
@@ -191,9 +205,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True)
         else:
-            rows = torch.arange(B, device=x.device)[:, None]
-            cache.k[layer][rows, write_pos] = k
-            cache.v[layer][rows, write_pos] = v
+            cache.write(layer, write_pos, k, v)
             S = mask.shape[-1]  # only the filled prefix of the cache is attended to
             keys = cache.k[layer][:, :S].transpose(1, 2)
             values = cache.v[layer][:, :S].transpose(1, 2)
