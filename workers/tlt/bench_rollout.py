@@ -53,10 +53,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_VERSION = 2  # bump when the training recipe changes, so cached drafters are retrained
 
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
-    "smollm2": dict(max_new_tokens=256, train_prompts=960, train_steps=1200, batch_tokens=1536, lr=1e-3,
+    "smollm2": dict(max_new_tokens=256, train_prompts=1920, train_steps=1800, batch_tokens=1536, lr=1e-3,
                     gen_batch=64, tail_prompts=4, arm="auto", draft_vocab=4096, train_vocab=8192,
                     rollout_prompts=8, threshold=4, unroll=1),
-    "tiny": dict(max_new_tokens=192, train_prompts=256, train_steps=300, batch_tokens=2048, lr=2e-3,
+    "tiny": dict(max_new_tokens=192, train_prompts=256, train_steps=2000, batch_tokens=2048, lr=2e-3,
                  gen_batch=64, tail_prompts=4, arm="d6k1v6", draft_vocab=0, train_vocab=0,
                  rollout_prompts=32, threshold=8, unroll=1),
 }

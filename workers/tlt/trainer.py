@@ -301,8 +301,8 @@ class Trainer:
 
         cfg = self.cfg
         t = time.perf_counter()
-        # enough answers that the drafter sees every kind of step (a few seconds of batched generation)
-        prompts = self.task.sample_prompts(max(64, cfg.task.prompts_per_step * 2), random.Random(cfg.run.seed + 7))
+        prompts = self.task.sample_prompts(max(cfg.drafter.warmup_prompts, cfg.task.prompts_per_step * 2),
+                                           random.Random(cfg.run.seed + 7))
         trainer = DrafterTrainer(self.drafter, cfg.drafter, seed=cfg.run.seed)
         steps = trainer.warmup(self.policy, [p.ids for p in prompts], cfg.drafter.warmup_steps,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
