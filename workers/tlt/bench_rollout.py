@@ -25,7 +25,7 @@ Progress goes to stderr; the LAST stdout line is one JSON object (keys in `run`'
 CPU notes (SmolLM2-135M, fp32, 2 AVX2 cores, no AVX-512/AMX): decode and verify passes are bound
 by reading ~540 MB of weights. PyTorch's default kernels (MKL sgemv for one row, small-M sgemm for
 a few) read them at ~11 GB/s; linear.py routes them to faster kernels, so a batch-1 decode step
-takes ~31 ms (was ~58) and verifying 7 tokens ~45 ms (~1.5 decode steps). The reduced draft
+takes ~25-31 ms (was ~58) and verifying 7 tokens ~1.5 decode steps. The reduced draft
 vocabulary (--draft-vocab 4096) cuts each draft step's head from ~10 ms to well under 1 ms.
 bfloat16/float16 weights are slower here for T > 1 (no native bf16 matmul), so float32 is the
 default. Under CPU contention the multi-threaded matmuls slow down badly; measure on a quiet machine.

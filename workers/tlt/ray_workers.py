@@ -3,10 +3,11 @@
 The driver (trainer.py) owns the data flow of a step; these actors own models:
 
     RolloutWorker   one per GPU (num_gpus=1) or CPU slot (num_cpus=1): a policy copy, a drafter copy,
-                    the SD bandit. `rollout()` generates its shard, then, when spot training is on,
-                    reports idle to the coordinator and trains the drafter until it is preempted, in
-                    a background thread: the shard's results go back at once, and `spot_result()`
-                    collects the training's times after the step's rollout.
+                    the SD bandit. `rollout()` generates its shard and returns it at once; when spot
+                    training is on, a background thread then packs the harvested records, reports
+                    idle to the coordinator and trains the drafter until it is preempted, and
+                    `spot_result()` collects the records and the training's times after the rollout
+                    (so the last worker's results never wait for that bookkeeping).
     Coordinator     num_cpus=0: the one master drafter of the step, the preemption flag, the online
                     buffer's references. Preempts all drafter training the moment the last worker
                     reports its rollout done.
@@ -401,8 +402,13 @@ class RolloutWorkerImpl:
             "drafter_intervals": [],
             "drafter_steps": 0,
         }
-        if not tlt:
-            return out
+        if tlt:  # the rollout goes to the driver now; records and spot training follow in the background
+            self._spot = self._spot_pool.submit(self._after_rollout, step, prompts, res)
+        return out
+
+    def _after_rollout(self, step: int, prompts: list[list[int]], res) -> dict[str, Any]:
+        """Spot-training thread: put the harvested records in the object store, report idle, and
+        train the drafter until the coordinator preempts (the last worker's report does)."""
         refs = []
         if res.hidden is not None:
             records = []
@@ -415,23 +421,21 @@ class RolloutWorkerImpl:
                 records.append({"tokens": seq[: hid.shape[0]], "hidden": hid.to(torch.float16).cpu(),
                                 "response_start": len(p), "step": step})
             refs = [ray.put(records)]
-            out["records"] = refs  # nested: the driver receives the reference, not the tensors
+        intervals: list[tuple[float, float]] = []
+        steps = 0
         if _call(self.coordinator, "report_done", self.id, refs):
-            # spot training in a background thread: the rollout goes to the driver now (it never waits
-            # for a drafter micro-batch to notice the preemption); spot_result() collects the times
-            self._spot = self._spot_pool.submit(spot_train, self.id, self.coordinator, self.drafter,
-                                                self._get_trainer(), self.cfg.drafter.batch_tokens,
-                                                record_cache=self._record_cache)
-        return out
+            intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
+                                          self.cfg.drafter.batch_tokens, record_cache=self._record_cache)
+        # nested: the driver receives the reference, not the tensors
+        return {"records": refs or None, "drafter_intervals": intervals, "drafter_steps": steps}
 
     def spot_result(self) -> dict[str, Any]:
-        """This step's spot training, once preempted: {"drafter_intervals", "drafter_steps"}."""
-        intervals, steps = self._join_spot()
-        return {"drafter_intervals": intervals, "drafter_steps": steps}
+        """This step's records and spot training, once preempted: {"records", "drafter_intervals", "drafter_steps"}."""
+        return self._join_spot()
 
-    def _join_spot(self) -> tuple[list[tuple[float, float]], int]:
+    def _join_spot(self) -> dict[str, Any]:
         spot, self._spot = self._spot, None
-        return spot.result() if spot is not None else ([], 0)
+        return spot.result() if spot is not None else {"records": None, "drafter_intervals": [], "drafter_steps": 0}
 
 
 RolloutWorker = ray.remote(num_cpus=1)(RolloutWorkerImpl)

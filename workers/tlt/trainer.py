@@ -456,6 +456,9 @@ class Trainer:
                                  rollout_logprobs=logprobs)
             learner_metrics = self.learner.step(batch, harvest_hidden=from_learner)
 
+        if self.tlt:  # the workers' records and spot training (preempted by now: long done)
+            for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
+                r.update(spot)
         with self.acct.phase("buffer"):
             if from_learner:  # they reach the coordinator with the next step's begin_step
                 for prompt, resp, hid in zip(rows, tokens, self.learner.last_hidden or []):
@@ -469,9 +472,6 @@ class Trainer:
                             self.buffer.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
 
         # --- metrics ---
-        if self.tlt:  # spot training stopped at the preemption: collect its intervals (long done by now)
-            for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
-                r.update(spot)
         times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
                              [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
         idle_scalars, timeline = self.acct.rollout(t0, times)
