@@ -408,7 +408,12 @@ class RolloutWorkerImpl:
 
     def _after_rollout(self, step: int, prompts: list[list[int]], res) -> dict[str, Any]:
         """Spot-training thread: put the harvested records in the object store, report idle, and
-        train the drafter until the coordinator preempts (the last worker's report does)."""
+        train the drafter until the coordinator preempts (the last worker's report does).
+
+        Packing the records is the first part of this worker's drafter training (it builds the
+        training data), so the reported drafter interval starts here, not at the first optimizer step.
+        """
+        started = time.time()
         refs = []
         if res.hidden is not None:
             records = []
@@ -426,6 +431,7 @@ class RolloutWorkerImpl:
         if _call(self.coordinator, "report_done", self.id, refs):
             intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
                                           self.cfg.drafter.batch_tokens, record_cache=self._record_cache)
+            intervals = [(started, end) for _, end in intervals[:1]] + intervals[1:]
         # nested: the driver receives the reference, not the tensors
         return {"records": refs or None, "drafter_intervals": intervals, "drafter_steps": steps}
 
