@@ -9,6 +9,8 @@ instance: the baseline (run.tlt false: no SD, no spot training) and TLT. It repo
 
     e2e_speedup          baseline mean step time / TLT mean step time
     rollout_share        rollout time / step time in the baseline (the part TLT can shrink)
+    rollout_speedup      baseline / TLT mean rollout time: TLT's own effect, free of the learner's
+                         cost, which varies with the rewards (zero-advantage groups are skipped)
     idle_reclaimed_frac  idle worker-seconds used for drafter training, TLT run
     acceptance_length    mean tokens per verify pass while SD was on, TLT run
     acceptance_by_step   the same per step (it should rise as spot training adapts the drafter)
@@ -111,6 +113,8 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "step_s_tlt": tlt_step,
         "rollout_share": _mean(b, "timing_s/rollout", skip) / base_step if base_step > 0 else 0.0,
         "rollout_share_tlt": _mean(t, "timing_s/rollout", skip) / tlt_step if tlt_step > 0 else 0.0,
+        "rollout_speedup": (_mean(b, "timing_s/rollout", skip) / _mean(t, "timing_s/rollout", skip)
+                            if _mean(t, "timing_s/rollout", skip) > 0 else 0.0),
         "idle_reclaimed_frac": (sum(r["idle/reclaimed_s"] for r in t) / max(sum(r["idle/worker_s"] for r in t), 1e-9)),
         "idle_worker_s_tlt": sum(r["idle/worker_s"] for r in t),
         "acceptance_length": _mean(t, "spec/acceptance_length"),
