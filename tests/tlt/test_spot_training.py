@@ -91,6 +91,15 @@ def test_idle_workers_train_one_drafter_that_keeps_improving_until_preempted():
         assert intervals and intervals[0][1] >= intervals[0][0]
 
 
+def test_an_update_still_training_when_the_rollout_ends_counts_as_dropped():
+    coord = CoordinatorImpl(num_workers=2)
+    coord.begin_step(1, {"w": torch.zeros(3)}, [records()])
+    assert isinstance(coord.fetch(0), dict)  # worker 0 is mid-update ...
+    master, stats = coord.finish()  # ... when the last worker finishes
+    assert stats["drafter/dropped_updates"] == 1.0 and stats["drafter/updates"] == 0.0
+    assert torch.equal(master["w"], torch.zeros(3))
+
+
 def test_the_last_worker_to_finish_preempts_and_does_not_train():
     coord = CoordinatorImpl(num_workers=2)
     coord.begin_step(1, {"w": torch.zeros(3)}, [])

@@ -127,6 +127,11 @@ class DrafterSection(_Section):
     warmup_prompts: int = Field(64, ge=1, le=100_000,
                                 description="Prompts the starting policy answers for the offline warm-up (its training data).")
     batch_tokens: int = Field(2048, ge=16, description="Tokens per spot-training micro-batch.")
+    spot_update_steps: int = Field(
+        4, ge=1, le=1000,
+        description="Optimizer steps per spot-training update: the unit applied whole to the one drafter, "
+                    "or dropped when the rollout ends first. Keep it well inside an idle window.",
+    )
     buffer_tokens: int = Field(200_000, ge=256, description="Online buffer budget; oldest records are evicted first.")
     hidden_loss_weight: float = Field(1.0, ge=0, description="SmoothL1 on the predicted next hidden state.")
     token_loss_weight: float = Field(0.1, ge=0, description="Soft cross-entropy against the target's distribution.")
@@ -183,6 +188,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "task": {"kind": "math", "prompts_per_step": 4},
         "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 256, "temperature": 0.7},
         "spec": {"threshold": 4},
+        # a 2048-token step of SmolLM2's drafter (49k-word head) takes seconds on one core, and a CPU
+        # run's idle windows are 0.3-2 s: one-step updates of 256 tokens fit them
+        "drafter": {"batch_tokens": 256, "spot_update_steps": 1},
         "grpo": {"lr": 2e-6},
     },
     "qwen2.5-7b-gpu": {

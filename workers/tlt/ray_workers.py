@@ -13,7 +13,7 @@ The driver (trainer.py) owns the data flow of a step; these actors own models:
                     reports its rollout done.
 
 Spot training keeps ONE drafter. Training happens in rounds: a worker `fetch`es the master weights
-(version v) and a disjoint slice of the buffer, trains SPOT_CHUNK_STEPS optimizer steps from them,
+(version v) and a disjoint slice of the buffer, trains `drafter.spot_update_steps` optimizer steps from them,
 and `submit`s the result. Workers that fetched v form round v; when every member has submitted,
 the master becomes the parameter average of their results (version v+1). A preempted member drops
 its partial work; the round closes with the whole updates that were submitted. An update is thus
@@ -40,7 +40,6 @@ from .drafter_train import average_state_dicts
 
 log = logging.getLogger(__name__)
 
-SPOT_CHUNK_STEPS = 4  # drafter optimizer steps per whole update (the unit that is applied or dropped)
 FETCH_RETRY_S = 0.005  # poll interval of a worker waiting for the round to close or for data
 
 
@@ -88,6 +87,8 @@ class CoordinatorImpl:
         with self._lock:
             self._preempt_locked()
             if self._round is not None:
+                r = self._round  # members still training: their updates are dropped with the round
+                self.stats["dropped"] += len(r["members"]) - len(r["submitted"]) - len(r["left"])
                 self._close_round_locked()
             s = self.stats
             out = {
@@ -196,12 +197,13 @@ def _trainable_state(drafter) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
 
 
-def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, chunk_steps: int = SPOT_CHUNK_STEPS,
+def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, chunk_steps: int,
                record_cache: dict | None = None, on_update=None) -> tuple[list[tuple[float, float]], int]:
     """Train the drafter in whole updates until the coordinator preempts; returns (intervals, steps).
 
     `coordinator` is an actor handle (or a CoordinatorImpl in tests: calls go through `_call`).
-    Each update starts from the master weights of its round; only whole updates are submitted.
+    Each update (`chunk_steps` optimizer steps) starts from the master weights of its round; only
+    whole updates are submitted.
     """
     from .buffer import DrafterBuffer
 
@@ -430,7 +432,8 @@ class RolloutWorkerImpl:
         steps = 0
         if _call(self.coordinator, "report_done", self.id, refs):
             intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
-                                          self.cfg.drafter.batch_tokens, record_cache=self._record_cache)
+                                          self.cfg.drafter.batch_tokens, self.cfg.drafter.spot_update_steps,
+                                          record_cache=self._record_cache)
             intervals = [(started, end) for _, end in intervals[:1]] + intervals[1:]
         # nested: the driver receives the reference, not the tensors
         return {"records": refs or None, "drafter_intervals": intervals, "drafter_steps": steps}
