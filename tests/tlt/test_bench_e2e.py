@@ -23,7 +23,9 @@ def test_overrides_are_parsed_as_yaml_per_section():
         parse_overrides(["warmup_steps=3"])
 
 
-def test_e2e_trains_baseline_and_tlt_and_reports_consistent_figures(tmp_path):
+def test_e2e_trains_baseline_and_tlt_and_reports_consistent_figures(tmp_path, monkeypatch):
+    # the test session's RAY_ADDRESS is the platform's job API (http): the bench starts its own instance
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     r = e2e("tiny-cpu", 2, tmp_path, overrides=TINY)
     assert r["steps"] == 2 and len(r["reward_by_step_tlt"]) == len(r["reward_by_step_baseline"]) == 2
     # greedy: TLT is lossless, so both runs see the same answers and rewards
