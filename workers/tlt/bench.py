@@ -95,6 +95,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     b, t = runs["baseline"], runs["tlt"]
     skip = warm_skip if len(b) > warm_skip else 0  # the first step pays one-off warm-up costs
     base_step, tlt_step = _mean(b, "timing_s/step", skip), _mean(t, "timing_s/step", skip)
+    base_roll, tlt_roll = _mean(b, "timing_s/rollout", skip), _mean(t, "timing_s/rollout", skip)
     # where the step time goes (mean seconds per step, after the skipped warm-up steps)
     phases = ("sync", "rollout", "reward", "learner", "buffer")
     profile = {name: {p: round(_mean(rows, f"timing_s/{p}", skip), 4) for p in phases}
@@ -111,10 +112,9 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "e2e_speedup": base_step / tlt_step if tlt_step > 0 else 0.0,
         "step_s_baseline": base_step,
         "step_s_tlt": tlt_step,
-        "rollout_share": _mean(b, "timing_s/rollout", skip) / base_step if base_step > 0 else 0.0,
-        "rollout_share_tlt": _mean(t, "timing_s/rollout", skip) / tlt_step if tlt_step > 0 else 0.0,
-        "rollout_speedup": (_mean(b, "timing_s/rollout", skip) / _mean(t, "timing_s/rollout", skip)
-                            if _mean(t, "timing_s/rollout", skip) > 0 else 0.0),
+        "rollout_share": base_roll / base_step if base_step > 0 else 0.0,
+        "rollout_share_tlt": tlt_roll / tlt_step if tlt_step > 0 else 0.0,
+        "rollout_speedup": base_roll / tlt_roll if tlt_roll > 0 else 0.0,
         "idle_reclaimed_frac": (sum(r["idle/reclaimed_s"] for r in t) / max(sum(r["idle/worker_s"] for r in t), 1e-9)),
         "idle_worker_s_tlt": sum(r["idle/worker_s"] for r in t),
         "acceptance_length": _mean(t, "spec/acceptance_length"),

@@ -124,9 +124,13 @@ class GRPOLearner:
         mb = self.cfg.micro_batch
         return [rows[i : i + mb] for i in range(0, len(rows), mb)]
 
+    def _padded(self, batch: RolloutBatch, rows: list[int]) -> tuple[Tensor, Tensor]:
+        tokens, mask, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows], self.pad_id)
+        return tokens, mask
+
     @torch.no_grad()
     def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: list[int]) -> Tensor:
-        tokens, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows], self.pad_id)
+        tokens, _ = self._padded(batch, rows)
         return token_logprobs(model, tokens.to(model.device)).cpu()
 
     def step(self, batch: RolloutBatch, harvest_hidden: bool = False) -> dict[str, float]:
@@ -156,8 +160,7 @@ class GRPOLearner:
         mismatch_n = 0
         device = self.policy.device
         for i, c in enumerate(chunks):
-            tokens, mask, _ = pad_sequences([batch.prompts[r] for r in c], [batch.responses[r] for r in c], self.pad_id)
-            tokens, mask = tokens.to(device), mask.to(device)
+            tokens, mask = (x.to(device) for x in self._padded(batch, c))
             a = adv[c].to(device)[:, None]  # [b, 1]
             lp, hidden = token_logprobs(self.policy, tokens, return_hidden=True)  # [b, T-1], [b, T, H]
             old_lp = lp.detach()

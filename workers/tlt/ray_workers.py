@@ -198,19 +198,20 @@ def _trainable_state(drafter) -> dict[str, torch.Tensor]:
 
 
 def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, chunk_steps: int,
-               record_cache: dict | None = None, on_update=None) -> tuple[list[tuple[float, float]], int]:
+               record_cache: dict | None = None, on_update=None,
+               started: float | None = None) -> tuple[list[tuple[float, float]], int]:
     """Train the drafter in whole updates until the coordinator preempts; returns (intervals, steps).
 
     `coordinator` is an actor handle (or a CoordinatorImpl in tests: calls go through `_call`).
     Each update (`chunk_steps` optimizer steps) starts from the master weights of its round; only
-    whole updates are submitted.
+    whole updates are submitted. `started`: when the worker began its drafter work (default: now).
     """
     from .buffer import DrafterBuffer
 
     record_cache = {} if record_cache is None else record_cache
     intervals: list[tuple[float, float]] = []
     steps_done = 0
-    t_start = time.time()
+    t_start = time.time() if started is None else started
     stop = lambda: bool(_call(coordinator, "should_stop"))  # noqa: E731
     while True:
         job = _call(coordinator, "fetch", worker)
@@ -433,8 +434,7 @@ class RolloutWorkerImpl:
         if _call(self.coordinator, "report_done", self.id, refs):
             intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
                                           self.cfg.drafter.batch_tokens, self.cfg.drafter.spot_update_steps,
-                                          record_cache=self._record_cache)
-            intervals = [(started, end) for _, end in intervals[:1]] + intervals[1:]
+                                          record_cache=self._record_cache, started=started)
         # nested: the driver receives the reference, not the tensors
         return {"records": refs or None, "drafter_intervals": intervals, "drafter_steps": steps}
 
