@@ -51,8 +51,8 @@ def run_workers(coord, n_workers, preempt_after_s, chunk=4):
 
     def work(i):
         d = CountingDrafter()
-        coord.report_done(i, [records()])
-        results[i] = spot_train(i, coord, d, SlowTrainer(d), batch_tokens=64, chunk_steps=chunk)
+        coord.report_done(i, 1, [records()])
+        results[i] = spot_train(i, coord, d, SlowTrainer(d), chunk_steps=chunk, should_stop=coord.should_stop)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(n_workers)]
     for t in threads:
@@ -103,8 +103,26 @@ def test_an_update_still_training_when_the_rollout_ends_counts_as_dropped():
 def test_the_last_worker_to_finish_preempts_and_does_not_train():
     coord = CoordinatorImpl(num_workers=2)
     coord.begin_step(1, {"w": torch.zeros(3)}, [])
-    assert coord.report_done(0, [records()]) is True
+    assert coord.report_done(0, 1, [records()]) is True
     assert coord.should_stop() is False
-    assert coord.report_done(1, [records()]) is False  # the rollout is over
+    assert coord.report_done(1, 1, [records()]) is False  # the rollout is over
     assert coord.should_stop() is True
     assert coord.fetch(0) is None
+
+
+def test_a_report_that_overtakes_its_begin_step_waits_for_it():
+    """The driver does not wait for begin_step; a worker's report of that step must not land in the
+    previous step's bookkeeping."""
+    coord = CoordinatorImpl(num_workers=2)
+    coord.begin_step(1, {"w": torch.zeros(3)}, [])
+    answer = {}
+    th = threading.Thread(target=lambda: answer.setdefault("may_train", coord.report_done(0, 2, [records()])))
+    th.start()
+    th.join(timeout=0.2)
+    assert th.is_alive() and not coord.done  # held back: step 2 has not begun
+    coord.begin_step(2, {"w": torch.ones(3)}, [])
+    th.join(timeout=5)
+    assert answer == {"may_train": True} and list(coord.done) == [0]
+    assert coord.report_done(1, 1, []) is False  # a straggler from step 1 changes nothing
+    assert list(coord.done) == [0] and not coord.should_stop()
+

@@ -160,15 +160,18 @@ def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
         trainer = DrafterTrainer(drafter, cfg.drafter)
         result = {}
 
+        preempted = threading.Event()
+
         def work():
-            assert ray.get(coord.report_done.remote(0, []))
-            result["out"] = spot_train(0, coord, drafter, trainer, 256, chunk_steps=4,
+            assert ray.get(coord.report_done.remote(0, 1, []))
+            result["out"] = spot_train(0, coord, drafter, trainer, chunk_steps=4, should_stop=preempted.is_set,
                                        on_update=lambda v, s: submitted.append(s))
 
         th = threading.Thread(target=work)
         th.start()
         time.sleep(preempt_after)
-        ray.get(coord.report_done.remote(1, []))  # the last worker finishes: preempts
+        ray.get(coord.report_done.remote(1, 1, []))  # the last worker finishes: the driver preempts
+        preempted.set()
         th.join(timeout=30)
         master, stats = ray.get(coord.finish.remote())
         candidates = [start] + submitted

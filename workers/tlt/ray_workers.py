@@ -5,12 +5,14 @@ The driver (trainer.py) owns the data flow of a step; these actors own models:
     RolloutWorker   one per GPU (num_gpus=1) or CPU slot (num_cpus=1): a policy copy, a drafter copy,
                     the SD bandit. `rollout()` generates its shard and returns it at once; when spot
                     training is on, a background thread then packs the harvested records, reports
-                    idle to the coordinator and trains the drafter until it is preempted, and
-                    `spot_result()` collects the records and the training's times after the rollout
-                    (so the last worker's results never wait for that bookkeeping).
-    Coordinator     num_cpus=0: the one master drafter of the step, the preemption flag, the online
-                    buffer's references. Preempts all drafter training the moment the last worker
-                    reports its rollout done.
+                    idle to the coordinator and trains the drafter until `preempt()` (the driver
+                    calls it when the last shard is in; the training loop reads a local flag, no
+                    remote call per micro-batch), and `spot_result()` collects the records and the
+                    training's times after the rollout (so the last worker's results never wait
+                    for that bookkeeping).
+    Coordinator     num_cpus=0: the one master drafter of the step, the online buffer's references,
+                    the rounds of spot training. Stops handing out work the moment the last worker
+                    reports its rollout done; `finish()` closes the step's last round.
 
 Spot training keeps ONE drafter. Training happens in rounds: a worker `fetch`es the master weights
 (version v) and a disjoint slice of the buffer, trains `drafter.spot_update_steps` optimizer steps from them,
@@ -31,7 +33,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -41,6 +43,7 @@ from .drafter_train import average_state_dicts
 log = logging.getLogger(__name__)
 
 FETCH_RETRY_S = 0.005  # poll interval of a worker waiting for the round to close or for data
+STEP_WAIT_S = 60.0  # longest a worker's report waits for the driver's begin_step of its step
 
 
 class CoordinatorImpl:
@@ -54,6 +57,9 @@ class CoordinatorImpl:
         self.num_workers = num_workers
         self.seed = seed
         self._lock = threading.Lock()
+        # the driver does not wait for begin_step (it goes out with the rollouts): a worker's
+        # report_done for that step may overtake it on this threaded actor, and waits for it here
+        self._step_begun = threading.Condition(self._lock)
         self.step = 0
         self.master: dict[str, torch.Tensor] = {}
         self.version = 0
@@ -67,7 +73,7 @@ class CoordinatorImpl:
     # --- driver side --------------------------------------------------------------------------
 
     def begin_step(self, step: int, drafter_state: dict[str, torch.Tensor], data_refs: list[Any]) -> None:
-        with self._lock:
+        with self._step_begun:
             self.step = step
             self.master = drafter_state
             self.version = 0
@@ -77,6 +83,7 @@ class CoordinatorImpl:
             self._round = None
             self.history = []
             self.stats = {"steps": 0, "updates": 0, "dropped": 0, "loss": [], "accuracy": [], "preempt_at": None}
+            self._step_begun.notify_all()
 
     def preempt(self) -> None:
         with self._lock:
@@ -105,9 +112,13 @@ class CoordinatorImpl:
 
     # --- worker side --------------------------------------------------------------------------
 
-    def report_done(self, worker: int, records_ref: list[Any]) -> bool:
-        """A worker finished its rollout; its harvested records join the buffer. True if it may train."""
-        with self._lock:
+    def report_done(self, worker: int, step: int, records_ref: list[Any]) -> bool:
+        """A worker finished its rollout of `step`; its harvested records join the buffer. True if it may train."""
+        with self._step_begun:
+            if not self._step_begun.wait_for(lambda: self.step >= step, timeout=STEP_WAIT_S):
+                raise TimeoutError(f"worker {worker} reported step {step}, but the driver never began it")
+            if self.step != step:  # a straggler from a step already finished: nothing to train for
+                return False
             self.done[worker] = time.time()
             self.data_refs.extend(records_ref)
             if len(self.done) >= self.num_workers:
@@ -197,14 +208,16 @@ def _trainable_state(drafter) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
 
 
-def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, chunk_steps: int,
+def spot_train(worker: int, coordinator, drafter, trainer, chunk_steps: int, should_stop: Callable[[], bool],
                record_cache: dict | None = None, on_update=None,
                started: float | None = None) -> tuple[list[tuple[float, float]], int]:
-    """Train the drafter in whole updates until the coordinator preempts; returns (intervals, steps).
+    """Train the drafter in whole updates until preempted; returns (intervals, steps).
 
     `coordinator` is an actor handle (or a CoordinatorImpl in tests: calls go through `_call`).
-    Each update (`chunk_steps` optimizer steps) starts from the master weights of its round; only
-    whole updates are submitted. `started`: when the worker began its drafter work (default: now).
+    `should_stop` is polled between micro-batches, so it must be cheap: the worker's own preemption
+    flag (set by the driver when the rollout ends), never a remote call. Each update (`chunk_steps`
+    optimizer steps) starts from the master weights of its round; only whole updates are
+    submitted. `started`: when the worker began its drafter work (default: now).
     """
     from .buffer import DrafterBuffer
 
@@ -212,8 +225,8 @@ def spot_train(worker: int, coordinator, drafter, trainer, batch_tokens: int, ch
     intervals: list[tuple[float, float]] = []
     steps_done = 0
     t_start = time.time() if started is None else started
-    stop = lambda: bool(_call(coordinator, "should_stop"))  # noqa: E731
-    while True:
+    stop = should_stop
+    while not stop():
         job = _call(coordinator, "fetch", worker)
         if job is None:
             break
@@ -286,7 +299,8 @@ class RolloutWorkerImpl:
         self._record_cache: dict = {}
         self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
         self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}")
-        self._spot: Future | None = None  # this step's spot training (runs until the coordinator preempts)
+        self._spot: Future | None = None  # this step's spot training (runs until preempted)
+        self._preempted = threading.Event()  # set by preempt(): a flag the training loop reads for free
 
     def _engine(self):
         """The vLLM engine over this worker's current weights, exported once to local folders."""
@@ -406,8 +420,15 @@ class RolloutWorkerImpl:
             "drafter_steps": 0,
         }
         if tlt:  # the rollout goes to the driver now; records and spot training follow in the background
+            self._preempted.clear()
             self._spot = self._spot_pool.submit(self._after_rollout, step, prompts, res)
         return out
+
+    def preempt(self) -> bool:
+        """The step's rollout is over (the driver calls this when the last worker's shard is in):
+        stop spot training at the next micro-batch; the update in progress is dropped whole."""
+        self._preempted.set()
+        return True
 
     def _after_rollout(self, step: int, prompts: list[list[int]], res) -> dict[str, Any]:
         """Spot-training thread: put the harvested records in the object store, report idle, and
@@ -431,9 +452,9 @@ class RolloutWorkerImpl:
             refs = [ray.put(records)]
         intervals: list[tuple[float, float]] = []
         steps = 0
-        if _call(self.coordinator, "report_done", self.id, refs):
+        if _call(self.coordinator, "report_done", self.id, step, refs):
             intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
-                                          self.cfg.drafter.batch_tokens, self.cfg.drafter.spot_update_steps,
+                                          self.cfg.drafter.spot_update_steps, self._preempted.is_set,
                                           record_cache=self._record_cache, started=started)
         # nested: the driver receives the reference, not the tensors
         return {"records": refs or None, "drafter_intervals": intervals, "drafter_steps": steps}
@@ -443,6 +464,7 @@ class RolloutWorkerImpl:
         return self._join_spot()
 
     def _join_spot(self) -> dict[str, Any]:
+        self._preempted.set()  # joining ends the step's spot training, even without the driver's preempt
         spot, self._spot = self._spot, None
         return spot.result() if spot is not None else {"records": None, "drafter_intervals": [], "drafter_steps": 0}
 

@@ -12,11 +12,12 @@ One step:
     sync     policy + drafter weights -> ray.put once -> every worker loads them
     rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); a worker that
              finishes reports idle to the coordinator and trains the drafter on the online buffer
-             until the last worker finishes, which preempts every drafter update in flight
+             until the last worker finishes: then the driver preempts every drafter update in flight
     reward   the task scores every response
     learner  GRPO update in this process (its forward gives the old log-probs, and the hidden states
              when the rollout engine returns none)
-    buffer   this step's harvested (tokens, hidden) records join the online buffer
+    buffer   the master drafter and the workers' spot-training results are collected; this step's
+             harvested (tokens, hidden) records join the online buffer
     + metrics (rollout/*, spec/*, drafter/*, idle/*, timing_s/*, learner/*) and checkpoints
 
 Ray: inside a Ray job (RAY_ADDRESS set) the driver joins that cluster; otherwise it starts a local
@@ -421,8 +422,8 @@ class Trainer:
         W = len(self.workers)
         shards = [list(s) for s in np.array_split(np.arange(len(prompts)), W)]
         with self.acct.phase("rollout"):
-            if self.tlt:
-                ray.get(self.coordinator.begin_step.remote(step, self.drafter_state, self._prev_records_ref()))
+            if self.tlt:  # not awaited: the coordinator holds back worker reports until it has run
+                begun = self.coordinator.begin_step.remote(step, self.drafter_state, self._prev_records_ref())
             t0 = time.time()
             refs = []
             for i, (w, shard) in enumerate(zip(self.workers, shards)):
@@ -430,9 +431,10 @@ class Trainer:
                 seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
                 refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
             results = ray.get(refs)
-            drafter_stats: dict[str, float] = {}
-            if self.tlt:
-                self.drafter_state, drafter_stats = ray.get(self.coordinator.finish.remote())
+            if self.tlt:  # the rollout is over: stop spot training now; collect it after the learner
+                for w in self.workers:
+                    w.preempt.remote()
+                finished = self.coordinator.finish.remote()
 
         t_end = time.time()
         self.last_results = results
@@ -456,10 +458,13 @@ class Trainer:
                                  rollout_logprobs=logprobs)
             learner_metrics = self.learner.step(batch, harvest_hidden=from_learner)
 
-        if self.tlt:  # the workers' records and spot training (preempted by now: long done)
-            for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
-                r.update(spot)
+        drafter_stats: dict[str, float] = {}
         with self.acct.phase("buffer"):
+            if self.tlt:  # the workers' records and spot training, and the master drafter (long done by now)
+                ray.get(begun)
+                self.drafter_state, drafter_stats = ray.get(finished)
+                for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
+                    r.update(spot)
             if from_learner:  # they reach the coordinator with the next step's begin_step
                 for prompt, resp, hid in zip(rows, tokens, self.learner.last_hidden or []):
                     if resp:
