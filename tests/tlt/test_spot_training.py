@@ -126,3 +126,27 @@ def test_a_report_that_overtakes_its_begin_step_waits_for_it():
     assert coord.report_done(1, 1, []) is False  # a straggler from step 1 changes nothing
     assert list(coord.done) == [0] and not coord.should_stop()
 
+
+def test_a_worker_state_carries_the_spot_trainers_optimizer_into_a_resumed_worker():
+    """Checkpoints keep each worker's AdamW moments, so a resumed run's spot training goes on from them."""
+    from workers.tlt.buffer import DrafterBuffer
+    from workers.tlt.config import preset
+    from workers.tlt.ray_workers import RolloutWorkerImpl
+    from workers.tlt.sft import build_tiny_model
+
+    cfg = preset("tiny-cpu", {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
+                              "drafter": {"batch_tokens": 64}})
+    config = build_tiny_model(cfg.model, vocab_size=18, bos_id=1, eos_id=2).config
+    trained, fresh = (RolloutWorkerImpl(i, config, cfg, coordinator=None) for i in (0, 1))
+    buf = DrafterBuffer(max_tokens=10_000)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        buf.add(torch.randint(4, 18, (20,), generator=g), torch.randn(20, 32, generator=g), 5, 1)
+    assert trained._get_trainer().train(buf, max_steps=3) == 3
+
+    fresh.load_worker_state(trained.worker_state())
+    a, b = trained._get_trainer(), fresh._get_trainer()
+    assert b.steps_done == 3
+    moments = [(sa, sb) for sa, sb in zip(a.opt.state_dict()["state"].values(), b.opt.state_dict()["state"].values())]
+    assert moments and all(torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) for sa, sb in moments)
+    assert fresh.load_worker_state(None) and fresh._bandit is None  # a checkpoint from before worker states

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from workers.tlt.config import load_config, preset
+from workers.tlt.checkpoint import CheckpointManager
 from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, JsonlSink, Tracking
 from workers.tlt.model import Transformer
 from workers.tlt.trainer import Trainer
@@ -137,6 +138,9 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tlt_run, tmp_path):
     pa, pb = policy_at(out, STEPS), policy_at(ref_out, STEPS)
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+    # every worker's SD bandit and spot-trainer optimizer went into the checkpoint it resumed from
+    workers = CheckpointManager.load(ref_out / "checkpoints" / f"step_{STEPS - 1:06d}")["state"]["worker_states"]
+    assert len(workers) == 2 and all(w["bandit"] is not None and w["drafter_trainer"]["optimizer"] for w in workers)
 
 
 def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):

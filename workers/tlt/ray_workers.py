@@ -359,12 +359,18 @@ class RolloutWorkerImpl:
         self._record_cache.clear()
         return True
 
-    def spec_state(self) -> Any:
-        """The SD bandit (plain picklable data: windows of rewards and its RNG), for checkpoints."""
-        return self._bandit
+    def worker_state(self) -> dict[str, Any]:
+        """What a resumed run needs from this worker, as plain picklable data for checkpoints: the SD
+        bandit (windows of rewards, its RNG) and the spot trainer (its AdamW moments and step count;
+        the weights it holds are replaced by the master drafter at the next sync anyway)."""
+        trainer = self._trainer
+        return {"bandit": self._bandit, "drafter_trainer": trainer.state_dict() if trainer is not None else None}
 
-    def load_spec_state(self, state: Any) -> bool:
-        self._bandit = state
+    def load_worker_state(self, state: dict[str, Any] | None) -> bool:
+        state = state or {}
+        self._bandit = state.get("bandit")
+        if state.get("drafter_trainer") is not None:
+            self._get_trainer().load_state_dict(state["drafter_trainer"])
         return True
 
     def _spec_policy(self, tlt: bool):

@@ -284,7 +284,7 @@ class Trainer:
 
         self.buffer = DrafterBuffer(cfg.drafter.buffer_tokens)
         self.drafter = Drafter.for_target(self.policy, seed=cfg.run.seed)
-        self.spec_states: list[Any] = [None] * cfg.rollout.num_workers
+        self.worker_states: list[Any] = [None] * cfg.rollout.num_workers
 
         resumed = self.resume and self._load_latest()
         t = time.perf_counter()
@@ -325,7 +325,7 @@ class Trainer:
                                                  device="cuda" if gpu else "cpu", threads=1)
             for i in range(W)
         ]
-        ray.get([w.load_spec_state.remote(s) for w, s in zip(self.workers, self.spec_states)])
+        ray.get([w.load_worker_state.remote(s) for w, s in zip(self.workers, self.worker_states)])
         self._policy_dirty = True
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -347,19 +347,19 @@ class Trainer:
         from .buffer import DrafterBuffer
 
         self.buffer = DrafterBuffer.from_state_dict(st["buffer"])
-        self.spec_states = st.get("spec_states") or self.spec_states
+        self.worker_states = st.get("worker_states") or self.worker_states
         self.acct.load_state_dict(st.get("accounting", {}))
         log.info("resumed from %s (step %d)", latest, self.step)
         return True
 
     def save_checkpoint(self) -> None:
-        self.spec_states = ray.get([w.spec_state.remote() for w in self.workers])
+        self.worker_states = ray.get([w.worker_state.remote() for w in self.workers])
         state = {
             "learner": self.learner.state_dict(),
             "prompt_rng": self.prompt_rng.getstate(),
             "rng": capture_rng(),
             "buffer": self.buffer.state_dict(),
-            "spec_states": self.spec_states,
+            "worker_states": self.worker_states,
             "accounting": self.acct.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
         }
