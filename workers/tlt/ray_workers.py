@@ -251,19 +251,22 @@ def spot_train(worker: int, coordinator, drafter, trainer, chunk_steps: int, sho
         drafter.load_state_dict(job["state"])
         trainer.rng = random.Random(job["seed"])
         done = int(trainer.train(buf, max_steps=chunk_steps, should_stop=stop))
-        if done >= chunk_steps:  # a whole update: submit it
-            steps_done += done
-            last = getattr(trainer, "last_metrics", {}) or {}
-            _call(coordinator, "submit", worker, job["version"], _trainable_state(drafter),
-                  {"steps": done, "loss": last.get("loss", 0.0), "accuracy": last.get("accuracy", 0.0)})
-            if on_update is not None:
-                on_update(job["version"], _trainable_state(drafter))
-            # wait for the other members so the next update starts from the averaged master
-            while _call(coordinator, "round_open", job["version"]) and not stop():
-                time.sleep(FETCH_RETRY_S)
-        else:
+        if stop():
+            # the rollout ended first: this update is dropped whole (the coordinator's finish() counts
+            # it), and no remote call competes with the learner, which starts now
+            break
+        if done < chunk_steps:  # nothing trainable in this slice: leave the round
             _call(coordinator, "submit", worker, job["version"], None, {})
             break
+        steps_done += done
+        last = getattr(trainer, "last_metrics", {}) or {}
+        _call(coordinator, "submit", worker, job["version"], _trainable_state(drafter),
+              {"steps": done, "loss": last.get("loss", 0.0), "accuracy": last.get("accuracy", 0.0)})
+        if on_update is not None:
+            on_update(job["version"], _trainable_state(drafter))
+        # wait for the other members so the next update starts from the averaged master
+        while _call(coordinator, "round_open", job["version"]) and not stop():
+            time.sleep(FETCH_RETRY_S)
     intervals.append((t_start, time.time()))
     return intervals, steps_done
 
@@ -458,7 +461,8 @@ class RolloutWorkerImpl:
             refs = [ray.put(records)]
         intervals: list[tuple[float, float]] = []
         steps = 0
-        if _call(self.coordinator, "report_done", self.id, step, refs):
+        # preempted already (the last shard, or nearly): the step's training is over, no need to report
+        if not self._preempted.is_set() and _call(self.coordinator, "report_done", self.id, step, refs):
             intervals, steps = spot_train(self.id, self.coordinator, self.drafter, self._get_trainer(),
                                           self.cfg.drafter.spot_update_steps, self._preempted.is_set,
                                           record_cache=self._record_cache, started=started)
