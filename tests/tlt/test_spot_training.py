@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -150,3 +153,20 @@ def test_a_worker_state_carries_the_spot_trainers_optimizer_into_a_resumed_worke
     moments = [(sa, sb) for sa, sb in zip(a.opt.state_dict()["state"].values(), b.opt.state_dict()["state"].values())]
     assert moments and all(torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) for sa, sb in moments)
     assert fresh.load_worker_state(None) and fresh._bandit is None  # a checkpoint from before worker states
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_spot_training_thread_yields_the_cpu_to_generation_and_the_learner():
+    from workers.tlt.ray_workers import _lowest_cpu_priority
+
+    seen = {}
+
+    def probe():
+        _lowest_cpu_priority()
+        seen["spot"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    th = threading.Thread(target=probe)
+    th.start()
+    th.join()
+    assert seen["spot"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # only that thread

@@ -26,6 +26,7 @@ the end of the rollout and ships it to every worker with the next weight sync.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import tempfile
@@ -271,6 +272,15 @@ def spot_train(worker: int, coordinator, drafter, trainer, chunk_steps: int, sho
     return intervals, steps_done
 
 
+def _lowest_cpu_priority() -> None:
+    """Spot training runs on cycles nobody else wants: the calling thread gets the lowest CPU priority
+    (Linux: per-thread nice 19), so where cores are shared it never slows generation or the learner."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: training still runs, just not yielding
+        log.debug("could not lower the spot-training thread's CPU priority")
+
+
 def _call(handle, method: str, *args):
     """Call a coordinator method on an actor handle (blocking) or a local CoordinatorImpl."""
     if isinstance(handle, CoordinatorImpl):
@@ -301,7 +311,8 @@ class RolloutWorkerImpl:
         self._bandit = None
         self._record_cache: dict = {}
         self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
-        self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}")
+        self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}",
+                                             initializer=_lowest_cpu_priority)
         self._spot: Future | None = None  # this step's spot training (runs until preempted)
         self._preempted = threading.Event()  # set by preempt(): a flag the training loop reads for free
 
