@@ -387,11 +387,13 @@ class Trainer:
 
     # --- a step -------------------------------------------------------------------------------
 
-    def _sync(self) -> None:
+    def _sync(self):
+        """Push the policy and drafter to every worker; returns the drafter's object reference."""
         policy_state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
         pref = ray.put(policy_state)
         dref = ray.put(self.drafter_state if self.tlt else None)
         ray.get([w.load_weights.remote(pref, dref) for w in self.workers])
+        return dref
 
     def _prev_records_ref(self):
         """Previous step's long responses (upper half by length) from the online buffer; all of
@@ -417,19 +419,19 @@ class Trainer:
         rows = [p.ids for p in prompts for _ in range(n)]  # group order: prompt g -> rows g*n..g*n+n-1
 
         with self.acct.phase("sync"):
-            self._sync()
+            drafter_ref = self._sync()
 
         W = len(self.workers)
         shards = [list(s) for s in np.array_split(np.arange(len(prompts)), W)]
         with self.acct.phase("rollout"):
-            if self.tlt:  # not awaited: the coordinator holds back worker reports until it has run
-                begun = self.coordinator.begin_step.remote(step, self.drafter_state, self._prev_records_ref())
             t0 = time.time()
             refs = []
             for i, (w, shard) in enumerate(zip(self.workers, shards)):
                 shard_rows = [rows[g * n + j] for g in shard for j in range(n)]
                 seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
                 refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
+            if self.tlt:  # while the workers generate; they wait for it only when they report done
+                begun = self.coordinator.begin_step.remote(step, drafter_ref, self._prev_records_ref())
             results = ray.get(refs)
             if self.tlt:  # the rollout is over: stop spot training now; collect it after the learner
                 for w in self.workers:
