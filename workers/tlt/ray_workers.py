@@ -51,7 +51,8 @@ class CoordinatorImpl:
     """Master drafter, preemption flag and buffer references of one run (see the module doc).
 
     A plain class so tests can drive it directly; `Coordinator` is its Ray actor (threaded, so a
-    worker polling `should_stop` is never blocked behind another's `submit`).
+    report waiting for its step's `begin_step`, or a worker polling `round_open`, never blocks the
+    others' calls).
     """
 
     def __init__(self, num_workers: int, seed: int = 0):
@@ -226,8 +227,7 @@ def spot_train(worker: int, coordinator, drafter, trainer, chunk_steps: int, sho
     intervals: list[tuple[float, float]] = []
     steps_done = 0
     t_start = time.time() if started is None else started
-    stop = should_stop
-    while not stop():
+    while not should_stop():
         job = _call(coordinator, "fetch", worker)
         if job is None:
             break
@@ -251,8 +251,8 @@ def spot_train(worker: int, coordinator, drafter, trainer, chunk_steps: int, sho
             buf.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
         drafter.load_state_dict(job["state"])
         trainer.rng = random.Random(job["seed"])
-        done = int(trainer.train(buf, max_steps=chunk_steps, should_stop=stop))
-        if stop():
+        done = int(trainer.train(buf, max_steps=chunk_steps, should_stop=should_stop))
+        if should_stop():
             # the rollout ended first: this update is dropped whole (the coordinator's finish() counts
             # it), and no remote call competes with the learner, which starts now
             break
@@ -266,7 +266,7 @@ def spot_train(worker: int, coordinator, drafter, trainer, chunk_steps: int, sho
         if on_update is not None:
             on_update(job["version"], _trainable_state(drafter))
         # wait for the other members so the next update starts from the averaged master
-        while _call(coordinator, "round_open", job["version"]) and not stop():
+        while _call(coordinator, "round_open", job["version"]) and not should_stop():
             time.sleep(FETCH_RETRY_S)
     intervals.append((t_start, time.time()))
     return intervals, steps_done
@@ -452,7 +452,7 @@ class RolloutWorkerImpl:
 
     def _after_rollout(self, step: int, prompts: list[list[int]], res) -> dict[str, Any]:
         """Spot-training thread: put the harvested records in the object store, report idle, and
-        train the drafter until the coordinator preempts (the last worker's report does).
+        train the drafter until preempted (the driver's `preempt()` once the last shard is in).
 
         Packing the records is the first part of this worker's drafter training (it builds the
         training data), so the reported drafter interval starts here, not at the first optimizer step.
