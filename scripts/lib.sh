@@ -40,6 +40,8 @@ ray_dashboard_port() {
   printf '%s' "$port"
 }
 
+free_port() { "$TLT_PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+
 ray_reachable() { http_ok "${1%/}/api/version"; }
 
 # ray_head_start URL: start a local Ray head whose dashboard/job API answers at URL.
@@ -56,13 +58,16 @@ ray_head_start() {
   # The job agent's HTTP port defaults to 52365 for every Ray instance on the host; if another one
   # (a test's local ray.init(), another checkout) holds it, the head starts but every job
   # submission fails with "No available agent". Give the head a port nobody else holds.
-  local agent_port
-  agent_port="$("$TLT_PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+  # Likewise the Ray client server's 10001, so two checkouts can each run a head side by side.
+  local agent_port client_port
+  agent_port="$(free_port)"
+  client_port="$(free_port)"
   tlt_log "starting Ray head (GCS :$TLT_RAY_GCS_PORT, dashboard :$port, job agent :$agent_port, log $log_file)"
   RAY_USAGE_STATS_ENABLED=0 setsid "$TLT_VENV/bin/ray" start --head --block \
     --port "$TLT_RAY_GCS_PORT" \
     --dashboard-host 127.0.0.1 --dashboard-port "$port" \
     --dashboard-agent-listen-port "$agent_port" \
+    --ray-client-server-port "$client_port" \
     --num-cpus "$TLT_RAY_NUM_CPUS" --disable-usage-stats \
     >"$log_file" 2>&1 &
   TLT_RAY_PID=$!
