@@ -5,7 +5,11 @@
     TLT_CONFIG="$(cat run.yaml)" python -m workers.tlt.train --out runs/demo     # what a Ray job does
 
 Metrics always go to the console and to OUT/metrics.jsonl; with TLT_INGEST_URL and TLT_RUN_TOKEN
-set they are also posted to the platform. A bad config exits with code 2 and names the field.
+set they also go to the platform, through a local spool (OUT/spool, workers/tlt/spool.py) that a
+background thread delivers, so an absent web app never stops training; if the spool cannot be
+emptied at the end the exit code is 75 and a --resume delivers the rest. A bad config, or a
+task.path/model.path outside TLT_DATA_ROOTS/TLT_MODEL_ROOTS (workers/tlt/paths.py), exits with
+code 2 and names the field.
 SIGTERM (Ray job stop) abandons the step in flight, flushes the background checkpoint writer (so
 the last checkpoint is complete; --resume continues from it) and exits 143.
 """
@@ -20,12 +24,15 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, TLTConfig, load_config, preset
-from .metrics import ConsoleSink, HttpSink, JsonlSink, Tracking
+from .metrics import ConsoleSink, JsonlSink, Tracking
+from .paths import PathRoots, config_paths_resolve
+from .spool import spool_from_env
 
 log = logging.getLogger("workers.tlt.train")
 
 EXIT_BAD_CONFIG = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_UNDELIVERED = 75  # EX_TEMPFAIL: trained, but the spool still holds records for the platform
 
 
 class Terminated(Exception):
@@ -52,7 +59,7 @@ def build_tracking(out: Path) -> Tracking:
     sinks = [ConsoleSink(), JsonlSink(out / "metrics.jsonl")]
     url, token = os.environ.get("TLT_INGEST_URL"), os.environ.get("TLT_RUN_TOKEN")
     if url and token:
-        sinks.append(HttpSink(url, token))
+        sinks.append(spool_from_env(out, url, token))
     elif url or token:
         log.warning("TLT_INGEST_URL and TLT_RUN_TOKEN must both be set to post metrics; posting nothing")
     return Tracking(sinks)
@@ -76,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             data = cfg.model_dump(mode="json")
             data["run"]["steps"] = args.steps
             cfg = load_config(data)
+        cfg = config_paths_resolve(cfg, PathRoots.from_env())  # before anything opens a path
     except ConfigError as exc:
         print(f"error: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -118,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             tracking.close()
             signal.signal(signal.SIGTERM, previous)
-    return EXIT_TERMINATED if terminated else 0
+    if terminated:
+        return EXIT_TERMINATED
+    return EXIT_UNDELIVERED if any(getattr(s, "undelivered", 0) for s in tracking.sinks) else 0
 
 
 if __name__ == "__main__":
