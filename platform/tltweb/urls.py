@@ -20,6 +20,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/", runs.run_detail, name="run-detail"),
     path("runs/<uuid:run_id>/cancel", runs.run_cancel, name="run-cancel"),
     path("runs/<uuid:run_id>/clone", runs.run_clone, name="run-clone"),
+    path("runs/<uuid:run_id>/resume", runs.run_resume, name="run-resume"),
     path("runs/<uuid:run_id>/edit", runs.run_edit, name="run-edit"),
     path("runs/<uuid:run_id>/artifacts/<int:artifact_id>/download", runs.artifact_download, name="artifact-download"),
     path("teams/", accounts.team_list, name="team-list"),

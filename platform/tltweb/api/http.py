@@ -13,7 +13,8 @@ from django.http import Http404, HttpRequest, JsonResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.views.decorators.csrf import csrf_exempt
 
-from tltweb.accounts.services import api_token_authenticate
+from tltweb.accounts.lockout import lockout_response
+from tltweb.accounts.services import LoginLockedOut, api_token_authenticate
 from workers.tlt.config import ConfigError
 
 
@@ -74,7 +75,10 @@ def api_endpoint(methods: tuple[str, ...]) -> Callable:
                 return json_error(405, f"method {request.method} not allowed; use {', '.join(methods)}")
             token = bearer(request)
             if token is not None:
-                user = api_token_authenticate(plain=token)
+                try:
+                    user = api_token_authenticate(plain=token, request=request)
+                except LoginLockedOut:
+                    return lockout_response(request)
                 if user is None:
                     return json_error(401, "invalid or revoked API token")
                 request.user = user

@@ -64,6 +64,7 @@ OPENAPI = {
         },
         "/api/runs/{run_id}/cancel": {"parameters": [_run_id], "post": {"summary": "Cancel (checkpoints kept)", "responses": {"200": _ok("the run"), **_user_errors}}},
         "/api/runs/{run_id}/clone": {"parameters": [_run_id], "post": {"summary": "Launch a copy", "responses": {"201": _ok("the new run"), **_user_errors}}},
+        "/api/runs/{run_id}/resume": {"parameters": [_run_id], "post": {"summary": "Resume a failed or cancelled run from its last checkpoint (editor or owner)", "responses": {"200": _ok("the run, queued again"), **_user_errors}}},
         "/api/runs/{run_id}/metrics": {
             "parameters": [_run_id, {"name": "since", "in": "query", "schema": {"type": "integer", "default": -1}}],
             "get": {"summary": "Scalars of the steps after `since`", "responses": {"200": _ok("{state, steps: [{step, scalars}], last_step}"), **_user_errors}},
@@ -89,7 +90,7 @@ OPENAPI = {
         "/api/ingest/runs/{run_id}/artifacts": {
             "parameters": [_run_id],
             "post": {
-                "summary": "Trainer: upload an artifact (multipart: kind, step, file)",
+                "summary": "Trainer: upload an artifact (multipart: kind, step, size, sha256, file); stored only if size and sha256 match",
                 "security": [{"runToken": []}],
                 "requestBody": {
                     "required": True,
@@ -97,8 +98,13 @@ OPENAPI = {
                         "multipart/form-data": {
                             "schema": {
                                 "type": "object",
-                                "properties": {"kind": {"type": "string"}, "step": {"type": "integer"}, "file": {"type": "string", "format": "binary"}},
-                                "required": ["kind", "step", "file"],
+                                "properties": {
+                                    "kind": {"type": "string"}, "step": {"type": "integer"},
+                                    "size": {"type": "integer", "description": "bytes the sender measured"},
+                                    "sha256": {"type": "string", "description": "SHA-256 (hex) the sender measured"},
+                                    "file": {"type": "string", "format": "binary"},
+                                },
+                                "required": ["kind", "step", "size", "sha256", "file"],
                             }
                         }
                     },

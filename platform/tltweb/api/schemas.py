@@ -52,3 +52,5 @@ class MetricsBody(_Body):
 class ArtifactForm(_Body):
     kind: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,29}$")
     step: int = Field(ge=0, le=10_000_000)
+    size: int = Field(ge=0, description="Bytes the sender measured; a file that differs is refused.")
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$", description="SHA-256 the sender measured (hex).")

@@ -11,7 +11,6 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 
 from tltweb.accounts.selectors import team_get_for_user, team_list_for_user
-from tltweb.accounts.services import token_matches
 from tltweb.api.http import BadRequest, api_endpoint, bearer, ingest_endpoint, json_error, parse_json
 from tltweb.api.openapi import OPENAPI
 from tltweb.api.schemas import ArtifactForm, LaunchBody, MetricsBody, RunPatchBody
@@ -34,6 +33,8 @@ def run_json(run: Run, *, full: bool = False) -> dict[str, Any]:
         "created_at": run.created_at.isoformat(),
         "started_at": run.started_at.isoformat() if run.started_at else None,
         "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+        "attempt": run.attempt,
+        "resumable": run.is_resumable,
         "url": reverse("run-detail", args=[run.id]),
     }
     if full:
@@ -44,6 +45,10 @@ def run_json(run: Run, *, full: bool = False) -> dict[str, Any]:
             error=run.error,
             log_tail=run.log_tail,
             submission_id=run.submission_id,
+            failure=run.failure,
+            auto_resumes=run.auto_resumes,
+            attempts=[{k: a.get(k) for k in ("attempt", "submission_id", "state", "failure", "error", "finished_at",
+                                              "resumed_by")} for a in run.attempts_log],
         )
     return data
 
@@ -67,6 +72,7 @@ def metrics_json(run: Run, *, since: int) -> dict[str, Any]:
     return {
         "state": run.state,
         "active": run.is_active,
+        "attempt": run.attempt,
         "error": run.error,
         "steps": steps,
         "last_step": steps[-1]["step"] if steps else since,
@@ -136,6 +142,13 @@ def run_cancel(request: HttpRequest, run_id: str) -> JsonResponse:
 
 
 @api_endpoint(("POST",))
+def run_resume(request: HttpRequest, run_id: str) -> JsonResponse:
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
+    run = services.run_resume(run=run, user=request.user)
+    return JsonResponse(run_json(run, full=True))
+
+
+@api_endpoint(("POST",))
 def run_clone(request: HttpRequest, run_id: str) -> JsonResponse:
     run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
     clone = services.run_clone(user=request.user, run=run)
@@ -189,11 +202,7 @@ def _ingest_run(request: HttpRequest, run_id: str) -> Run | JsonResponse:
     token = bearer(request)
     if token is None:
         return json_error(401, "missing 'Authorization: Bearer <run token>'")
-    run = Run.objects.filter(pk=run_id).first()
-    # Same answer for an unknown run and a wrong token: ids are not secrets, but no oracle either.
-    if run is None or not run.ingest_token_hash or not token_matches(token, run.ingest_token_hash):
-        return json_error(403, "wrong run token")
-    return run
+    return selectors.run_get_for_ingest(run_id=run_id, token=token)  # PermissionDenied -> 403
 
 
 @ingest_endpoint
@@ -214,10 +223,11 @@ def ingest_artifacts(request: HttpRequest, run_id: str) -> JsonResponse:
     request.upload_handlers = [HashingUploadHandler(services.artifact_folder(run), settings.TLT_MAX_ARTIFACT_BYTES, request)]
     uploads = request.FILES.getlist("file")
     try:
-        form = ArtifactForm.model_validate({"kind": request.POST.get("kind", ""), "step": request.POST.get("step", "")})
+        form = ArtifactForm.model_validate({k: request.POST.get(k, "") for k in ("kind", "step", "size", "sha256")})
         if len(uploads) != 1:
             raise BadRequest("send exactly one multipart field 'file'", errors={"file": "required"})
-        artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0])
+        artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0],
+                                           expected_size=form.size, expected_sha256=form.sha256)
     finally:
         for upload in uploads:  # streamed .part files: renamed when stored, removed otherwise
             if isinstance(upload, HashedUpload):

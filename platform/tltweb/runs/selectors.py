@@ -11,6 +11,8 @@ from django.db.models import Q, QuerySet
 from django.http import Http404
 
 from tltweb.accounts.models import Member
+from tltweb.accounts.services import token_matches
+from tltweb.runs.errors import RunFinished
 from tltweb.runs.models import Artifact, MetricStep, Run
 
 
@@ -32,6 +34,22 @@ def run_get_for_user(*, user: User, run_id: uuid.UUID | str, need: str = "view")
     if not member.allows(need):
         raise PermissionDenied(f"needs {need} access")
     return run, member
+
+
+def run_get_for_ingest(*, run_id: uuid.UUID | str, token: str) -> Run:
+    """The run a trainer's token belongs to.
+
+    PermissionDenied for an unknown run or a wrong token (the same answer: run ids are not secrets,
+    but no oracle either); RunFinished when the token is right but was revoked because the run
+    reached a final state (its metrics and artifacts are immutable from then on).
+    """
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None or not run.ingest_token_hash or not token_matches(token, run.ingest_token_hash):
+        raise PermissionDenied("wrong run token")
+    if run.ingest_token_revoked_at is not None:
+        raise RunFinished(f"this run has ended ({run.state}) and its ingestion token is revoked: "
+                          "its metrics and artifacts are immutable")
+    return run
 
 
 def artifact_get_for_user(*, user: User, run_id: uuid.UUID | str, artifact_id: int) -> Artifact:

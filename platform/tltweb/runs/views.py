@@ -6,7 +6,7 @@ import json
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -101,6 +101,18 @@ def run_cancel(request: HttpRequest, run_id: str) -> HttpResponse:
     run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
     services.run_cancel(run=run)
     messages.info(request, "Run cancelled; its checkpoints are kept.")
+    return redirect("run-detail", run_id=run.id)
+
+
+@login_required
+@require_POST
+def run_resume(request: HttpRequest, run_id: str) -> HttpResponse:
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
+    try:
+        run = services.run_resume(run=run, user=request.user)
+        messages.success(request, f"Resuming from the last checkpoint (attempt {run.attempt + 1}).")
+    except ValidationError as exc:
+        messages.error(request, "; ".join(exc.messages))
     return redirect("run-detail", run_id=run.id)
 
 
