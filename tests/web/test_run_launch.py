@@ -45,6 +45,13 @@ def test_run_launch_rejects_a_bad_config_naming_the_field(alice, team):
     assert not Run.objects.exists()
 
 
+@pytest.mark.parametrize("text", ["[" * 5000, "{a: " * 3000])
+def test_run_launch_turns_deeply_nested_yaml_into_a_config_error(alice, team, text):
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="deep", config_yaml=text)
+    assert "yaml" in err.value.errors and not Run.objects.exists()
+
+
 def test_run_launch_refuses_viewers(bob, team):
     with pytest.raises(PermissionDenied):
         run_launch(user=bob, team=team, name="x", preset="tiny-cpu")
