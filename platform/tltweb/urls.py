@@ -36,3 +36,8 @@ if settings.SERVE_STATIC and not settings.DEBUG:
     # runserver serves static files when DEBUG is on; gunicorn (compose) has no static server in
     # front, so Django serves the few files of static/ itself (no collectstatic step needed).
     urlpatterns += [re_path(r"^static/(?P<path>.*)$", static_serve, {"insecure": True})]
+
+handler400 = "tltweb.handlers.bad_request"
+handler403 = "tltweb.handlers.permission_denied"
+handler404 = "tltweb.handlers.page_not_found"
+handler500 = "tltweb.handlers.server_error"

@@ -327,3 +327,14 @@ def test_the_admin_lists_teams_runs_and_tokens_for_staff(client, run, alice):
 def test_the_admin_is_closed_to_non_staff(client, alice):
     client.force_login(alice)
     assert client.get("/admin/runs/run/").status_code == 302
+
+
+def test_garbage_run_ids_and_nul_filters_are_answered_not_crashed(client, alice, run):
+    client.force_login(alice)
+    assert client.get(reverse("run-compare"), {"run": ["not-a-uuid", str(run.id)]}).status_code == 200
+    assert client.get(reverse("run-list"), {"q": "a\x00b"}).status_code == 200
+    _, token = api_token_create(user=alice, name="t")
+    resp = client.get(reverse("api-runs"), {"q": "\x00", "tag": "\x00"}, HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert resp.status_code == 200 and resp.json()["runs"] == []
+    resp = client.get("/api/runs/not-a-uuid/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert resp.status_code == 404 and "error" in resp.json()

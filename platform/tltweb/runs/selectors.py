@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Q, QuerySet
 from django.http import Http404
 
@@ -26,7 +26,7 @@ def run_get_for_user(*, user: User, run_id: uuid.UUID | str, need: str = "view")
     """The run and the user's membership: 404 for outsiders (and unknown ids), 403 for a too-low role."""
     try:
         run = Run.objects.select_related("team", "creator").get(pk=run_id)
-    except (Run.DoesNotExist, ValueError, TypeError):
+    except (Run.DoesNotExist, ValueError, TypeError, ValidationError):  # ValidationError: not a UUID
         raise Http404("no such run") from None
     member = _member(user, run.team_id)
     if member is None:
@@ -70,6 +70,8 @@ def run_list_for_user(
     q: str = "",
     team_id: int | None = None,
 ) -> QuerySet[Run]:
+    if any("\x00" in value for value in (state, tag, creator, preset, q)):
+        return Run.objects.none()  # nothing stored contains NUL (and PostgreSQL refuses it in a query)
     runs = Run.objects.select_related("team", "creator").filter(team__members__user=user)
     if team_id:
         runs = runs.filter(team_id=team_id)
