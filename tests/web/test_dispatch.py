@@ -287,7 +287,7 @@ def test_submit_gives_the_job_the_teams_folders_and_the_delivery_bounds(run, job
 
 # ---- resume ----
 
-@pytest.mark.parametrize("exit_code,auto", [(-9, True), (137, True), (75, True), (1, False), (2, False)])
+@pytest.mark.parametrize("exit_code,auto", [(-9, True), (137, True), (69, True), (75, True), (1, False), (2, False)])
 def test_a_job_that_died_is_resumed_automatically_and_a_trainer_error_is_not(run, jobs, exit_code, auto):
     services.run_submit(run_id=run.id, client=jobs)
     jobs.fail(run.submission_id, exit_code)

@@ -33,6 +33,16 @@ log = logging.getLogger("workers.tlt.train")
 EXIT_BAD_CONFIG = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 EXIT_UNDELIVERED = 75  # EX_TEMPFAIL: trained, but the spool still holds records for the platform
+EXIT_INFRA = 69  # EX_UNAVAILABLE: a Ray worker, node or object died under the trainer (the platform resumes it)
+
+
+def ray_infra_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the cluster failed the trainer, not the trainer's own code (RayTaskError is that)."""
+    import ray.exceptions as rex
+
+    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ObjectLostError",
+             "OutOfMemoryError", "GetTimeoutError", "RaySystemError")
+    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
 
 
 class Terminated(Exception):
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    infra_failure = False
     try:
         trainer.setup()
         bar.n = trainer.step
@@ -118,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except (Terminated, KeyboardInterrupt):
         terminated = True
         log.warning("terminated at step %d: flushing the checkpoint writer", trainer.step)
+    except ray_infra_errors() as exc:  # exit 69: the platform resumes the run from its last checkpoint
+        infra_failure = True
+        log.error("the Ray cluster failed the trainer at step %d: %r", trainer.step, exc)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the flush short
         bar.close()
@@ -128,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
     if terminated:
         return EXIT_TERMINATED
+    if infra_failure:
+        return EXIT_INFRA
     return EXIT_UNDELIVERED if any(getattr(s, "undelivered", 0) for s in tracking.sinks) else 0
 
 

@@ -30,13 +30,13 @@ from tltweb.runs.models import ACTIVE_STATES, Artifact, Failure, MetricStep, Run
 from tltweb.runs.uploads import HashedUpload
 from workers.tlt.config import PRESETS, ConfigError, TLTConfig, load_config, preset as preset_config
 from workers.tlt.paths import PathRoots, config_paths_resolve
+from workers.tlt.train import EXIT_BAD_CONFIG  # light: torch and ray are imported only when training starts
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 8000
 MAX_TAGS = 20
-EXIT_BAD_CONFIG = 2  # workers.tlt.train exit codes (not imported: that module pulls in torch)
-EXIT_TRAINER_ERROR = 1
+EXIT_TRAINER_ERROR = 1  # an exception of the trainer's own (the trainer's other exit codes: workers.tlt.train)
 
 
 def text_clean(value: str, *, field: str) -> str:
@@ -390,7 +390,7 @@ def _failure_kind(info: Any) -> str:
         return Failure.CONFIG
     if code == EXIT_TRAINER_ERROR:
         return Failure.TRAINER
-    return Failure.INFRA  # killed by a signal (-9, 137), undelivered spool (75), supervisor or node died
+    return Failure.INFRA  # killed (-9, 137), a Ray worker died (69), spool undelivered (75), supervisor/node lost
 
 
 def run_sync_status(*, run: Run, client: Any) -> Run:
