@@ -154,6 +154,7 @@ def ray_head():
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--port", "6380", "--dashboard-port", "8265",
+         "--temp-dir", "/tmp/ray-tlt-6380",  # its own ray_current_cluster: jobs' drivers join this head (scripts/lib.sh)
          # a free job-agent port: the default 52365 may be held by another Ray on this host
          "--dashboard-agent-listen-port", str(_free_port()), "--num-cpus", "2", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -205,9 +206,18 @@ class Gate:
     def start(self) -> None:
         import threading
 
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
+        deadline = time.monotonic() + 30
+        while True:  # the port may be held for a moment (e.g. as the source port of a client's retry)
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                listener.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         listener.listen(64)
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
