@@ -182,3 +182,14 @@ def test_the_trainer_builds_the_spool_from_its_environment(tmp_path, monkeypatch
     finally:
         spool.drain_s = 0
         spool.close()
+
+
+def test_progress_never_makes_the_trainer_wait(gate, run, run_token, tmp_path):
+    gate.stop()
+    spool = SpoolSink(tmp_path / "spool", _sink(gate, run, run_token), drain_s=1, pause_s=0.5)
+    t = time.monotonic()
+    for done in range(50):
+        spool.progress("sft", done, 50, "warming up")
+    assert time.monotonic() - t < 0.5 and not spool.pending()  # kept in memory, newest only
+    spool.close()
+    assert spool.undelivered == 0

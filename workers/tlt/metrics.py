@@ -282,6 +282,15 @@ class HttpSink:
 
         self._post("artifacts", f"artifact {kind} of step {step}", make)
 
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
+        """Progress is a nicety: one try with a short timeout; a failure is logged, never raised."""
+        body = {"phase": phase, "done": done, "total": total, "message": message[:500]}
+        try:
+            resp = self._session.post(self.base_url + "progress", json=body, timeout=min(10.0, self.timeout_s))
+            resp.raise_for_status()
+        except Exception as exc:  # noqa: BLE001 - never let a hint fail the run
+            log.warning("ingest progress failed: %s", exc)
+
     def close(self) -> None:
         self._session.close()
 

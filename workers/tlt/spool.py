@@ -87,6 +87,7 @@ class SpoolSink:
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._raised = False
+        self._progress: tuple[str, int, int, str] | None = None
         self._thread = threading.Thread(target=self._deliver_loop, name="tlt-spool", daemon=True)
         self._thread.start()
 
@@ -108,6 +109,12 @@ class SpoolSink:
         with self._lock:
             _link_or_copy(path, self.files_dir / stored)
             _write_atomic(self.pending_dir / f"{step:09d}-1-{kind}.json", item)
+        self._wake.set()
+
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
+        """Setup progress is a live hint, not a record: only the newest is kept (in memory, never spooled)
+        and the delivery thread sends it once when it is idle, so the trainer never waits for it."""
+        self._progress = (phase, done, total, message)
         self._wake.set()
 
     def close(self) -> None:
@@ -139,6 +146,7 @@ class SpoolSink:
         while True:
             items = self.pending()
             if not items:
+                self._send_progress()
                 if self._closing.is_set():
                     return
                 self._wake.wait(self.poll_s)
@@ -162,6 +170,15 @@ class SpoolSink:
                     log.error("spooled %s cannot be delivered: %s", path.name, exc)
                     self._reject(path, f"local error: {exc}")
                     self.failure = self.failure or RuntimeError(f"spooled {path.name} cannot be delivered: {exc}")
+
+    def _send_progress(self) -> None:
+        progress, self._progress = self._progress, None
+        send = getattr(self.transport, "progress", None)
+        if progress is not None and send is not None:
+            try:
+                send(*progress)  # one try; a lost progress update is replaced by the next
+            except Exception as exc:  # noqa: BLE001 - a hint must never stop delivery
+                log.debug("progress not delivered: %s", exc)
 
     def _deliver(self, path: Path) -> None:
         try:
