@@ -1,7 +1,9 @@
 """The driver on a real local Ray instance: metrics, spot-training preemption, resume, TLT on == off.
 
-Everything is tiny (a 2-layer 64-wide model, 4 prompts x 2 samples, 40 new tokens, greedy) so the
-file runs in well under three minutes on 2 cores; the SFT'd policy is cached under var/models.
+Everything is tiny (a 2-layer 64-wide model, 4 prompts x 2 samples, 40 new tokens, sampled at
+temperature 1) so the file runs in well under three minutes on 2 cores; the SFT'd policy is cached
+under var/models. Sampling is keyed by (seed, sample, position), so TLT on and off draw the same
+responses, and the groups' rewards differ: the policy really moves.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from workers.tlt.config import load_config, preset
 from workers.tlt.checkpoint import CheckpointManager
 from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, JsonlSink, Tracking
 from workers.tlt.model import Transformer
-from workers.tlt.trainer import Trainer
+from workers.tlt.trainer import Trainer, prepare_policy_folder
 
 STEPS = 3
 
@@ -30,7 +32,7 @@ def tiny_cfg(tlt: bool = True, steps: int = STEPS):
         "run": {"steps": steps, "tlt": tlt, "checkpoint_interval": 1, "seed": 0},
         "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "sft_steps": 150},
         "task": {"prompts_per_step": 4},
-        "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 0.0},
+        "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 1.0},
         "spec": {"threshold": 8},
         "drafter": {"warmup_steps": 10, "batch_tokens": 256},
         "grpo": {"lr": 1e-3, "micro_batch": 4},
@@ -78,6 +80,16 @@ def policy_at(out, step) -> dict[str, torch.Tensor]:
     return Transformer.from_pretrained(out / "checkpoints" / f"step_{step:06d}" / "policy").state_dict()
 
 
+def assert_moved(policy: dict[str, torch.Tensor], since: dict[str, torch.Tensor]) -> None:
+    """The run's updates were real: some weight differs from where it started."""
+    assert any(not torch.equal(policy[k], since[k]) for k in since), "the policy never changed"
+
+
+@pytest.fixture(scope="module")
+def start_policy() -> dict[str, torch.Tensor]:
+    return Transformer.from_pretrained(prepare_policy_folder(tiny_cfg())).state_dict()
+
+
 def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run):
     out, history = tlt_run
     assert [h.step for h in history] == [1, 2, 3]
@@ -111,15 +123,17 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
     assert (out / "policy.zip").exists()
 
 
-def test_greedy_rollouts_and_updates_are_identical_with_tlt_on_and_off(tlt_run, baseline_run):
+def test_sampled_rollouts_and_updates_are_identical_with_tlt_on_and_off(tlt_run, baseline_run, start_policy):
     (tlt_out, tlt_hist), (base_out, base_hist) = tlt_run, baseline_run
     for a, b in zip(tlt_hist, base_hist):
-        assert a.responses == b.responses, f"step {a.step}: SD changed a greedy rollout"
+        assert a.responses == b.responses, f"step {a.step}: SD changed a sampled rollout"
         assert a.rewards == b.rewards
+    assert sum(h.scalars["learner/rows_run"] for h in tlt_hist) > 0  # some groups had an advantage
     for step in range(1, STEPS + 1):
         pa, pb = policy_at(tlt_out, step), policy_at(base_out, step)
         for k in pa:
             assert torch.equal(pa[k], pb[k]), f"step {step}: {k} differs"
+    assert_moved(policy_at(tlt_out, STEPS), start_policy)
     # the baseline really was the baseline
     assert all(h.scalars["spec/verify_passes"] == 0 for h in base_hist)
     assert all(h.scalars["idle/reclaimed_s"] == 0 for h in base_hist)
@@ -138,6 +152,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tlt_run, tmp_path):
     pa, pb = policy_at(out, STEPS), policy_at(ref_out, STEPS)
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+    assert sum(h.scalars["learner/rows_run"] for h in ref_hist) > 0  # real updates (AdamW keeps moving after them)
+    assert_moved(pa, policy_at(ref_out, STEPS - 1))  # the resumed step itself updated the policy
     # every worker's SD bandit and spot-trainer optimizer went into the checkpoint it resumed from
     workers = CheckpointManager.load(ref_out / "checkpoints" / f"step_{STEPS - 1:06d}")["state"]["worker_states"]
     assert len(workers) == 2 and all(w["bandit"] is not None and w["drafter_trainer"]["optimizer"] for w in workers)
@@ -280,7 +296,6 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     (with the policy's own hidden states), and the next step ships every record to the coordinator."""
     import ray.cloudpickle
 
-    from workers.tlt.grpo import token_logprobs
     from workers.tlt.ray_workers import RolloutWorkerImpl
 
     class FakeVllmWorker(RolloutWorkerImpl):
@@ -300,7 +315,8 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
         policy = Transformer.from_pretrained(trainer.policy_folder)
         policy.load_state_dict(before)
         r = recs[0]
-        _, hidden = token_logprobs(policy, r.tokens[None], return_hidden=True)
+        with torch.no_grad():
+            hidden = policy(r.tokens[None], logits=False).hidden
         torch.testing.assert_close(r.hidden.float(), hidden[0].float(), atol=2e-3, rtol=2e-3)
         assert all(res["harvested"] is False for res in trainer.last_results)
         # next step's begin_step ships all of them to the coordinator (this step's came too late)

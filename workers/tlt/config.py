@@ -11,6 +11,7 @@ its range; a bad value fails with an error that names the field (`spec.threshold
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Literal
 
 import yaml
@@ -81,7 +82,8 @@ class TaskSection(_Section):
 class RolloutSection(_Section):
     engine: Literal["builtin", "vllm"] = Field("builtin", description="builtin: PyTorch reference engine; vllm: GPU nodes.")
     num_workers: int = Field(2, ge=1, le=1024, description="Rollout workers (Ray actors), one GPU or one CPU each.")
-    samples_per_prompt: int = Field(4, ge=1, le=256, description="GRPO group size n.")
+    samples_per_prompt: int = Field(
+        4, ge=2, le=256, description="GRPO group size n (>= 2: advantages are relative to the group).")
     max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")
     temperature: float = Field(1.0, ge=0.0, le=5.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -148,7 +150,14 @@ class GRPOSection(_Section):
     clip_eps: float = Field(0.2, gt=0, le=1.0, description="PPO ratio clip.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to a frozen reference (0: no reference model).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    micro_batch: int = Field(8, ge=1, description="Sequences per learner forward.")
+    mini_batches: int = Field(
+        1, ge=1, le=1024,
+        description="Optimizer steps per RL step: the step's prompt groups are split into this many "
+                    "mini-batches (verl's ppo_mini_batch); from the second one the PPO clip bounds the ratio.")
+    micro_batch: int = Field(8, ge=1, description="Most sequences per learner forward.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, le=10_000_000,
+        description="Most padded tokens per learner forward (rows longer than this run alone).")
 
 
 class TLTConfig(_Section):
@@ -161,6 +170,13 @@ class TLTConfig(_Section):
     spec: SpecSection = SpecSection()
     drafter: DrafterSection = DrafterSection()
     grpo: GRPOSection = GRPOSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TLTConfig":
+        if self.task.prompts_per_step < self.rollout.num_workers:
+            raise ValueError(f"task.prompts_per_step: {self.task.prompts_per_step} prompts cannot feed "
+                             f"rollout.num_workers = {self.rollout.num_workers} workers (each needs one)")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -219,9 +235,16 @@ def load_config(data: str | dict[str, Any]) -> TLTConfig:
     try:
         return TLTConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(
-            {".".join(str(p) for p in err["loc"]) or "config": err["msg"] for err in exc.errors()}
-        ) from exc
+        raise ConfigError(dict(_field_error(err) for err in exc.errors())) from exc
+
+
+def _field_error(err: dict[str, Any]) -> tuple[str, str]:
+    """(dotted field, message); a whole-config check names its field as "section.field: ..."."""
+    field, msg = ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+    head, sep, rest = msg.partition(": ")
+    if not field and sep and re.fullmatch(r"[a-z_]+\.[a-z_]+", head):
+        return head, rest
+    return field or "config", msg
 
 
 def preset(name: str, overrides: dict[str, Any] | None = None) -> TLTConfig:

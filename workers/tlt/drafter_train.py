@@ -228,17 +228,17 @@ class DrafterTrainer:
                should_stop: Callable[[], bool] = lambda: False, gen_batch: int = 32) -> int:
         """Offline warm-up: the target answers `prompts`, the drafter learns its hidden states.
 
-        Generation uses the rollout engine (`workers.tlt.sft.fast_generate`); sampling at
+        Generation uses the rollout engine (`workers.tlt.sft.generate_ids`); sampling at
         `temperature` gives the drafter the same kind of text RL rollouts produce. Returns steps run.
         """
-        from .sft import fast_generate
+        from .sft import generate_ids
 
         t0 = time.monotonic()
         buffer = DrafterBuffer(buffer_tokens or self.cfg.buffer_tokens)
         pairs: list[tuple[list[int], list[int]]] = []
         for i in range(0, len(prompts), gen_batch):
             chunk = [list(p) for p in prompts[i: i + gen_batch]]
-            responses = fast_generate(model, chunk, max_new_tokens, model.config.eos_ids, temperature=temperature,
+            responses = generate_ids(model, chunk, max_new_tokens, model.config.eos_ids, temperature=temperature,
                                       seed=seed + i)
             pairs.extend(zip(chunk, responses))
         self.harvest(model, pairs, buffer, step=0)

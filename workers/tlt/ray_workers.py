@@ -404,10 +404,10 @@ class RolloutWorkerImpl:
 
     def _generate(self, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool):
         from .rollout import generate
-        from .sampling import SamplingParams
+        from .sampling import sampling_params
 
         rc = self.cfg.rollout
-        params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k)
+        params = sampling_params(rc)
         if rc.engine == "vllm":  # its own SD switch (dynamic by batch size) and EAGLE drafter
             return self._engine().generate(prompts, params, max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids,
                                            seed=seed)

@@ -10,9 +10,12 @@
 
 One loop serves every mode. Each step drafts a `Tree` rooted at each row's pending token (no draft:
 a plain decode step; a chain; a top-k tree; an n-gram chain), runs the target once over it and
-accepts losslessly (speculative.walk / speculative.chain_rule). Prompts are right-padded and
-prefilled together; every row keeps its own cache length and rope positions, so no left padding.
-Finished rows leave the batch (KVCache.keep_rows), so the tail decodes at small batch.
+accepts losslessly (speculative.walk). Sampling is keyed (sampling.py): the token at each position
+of a sample is decided by one uniform of (seed, sample, position), so SD on, SD off and any arm
+the bandit picks emit the same tokens for the same seed, under greedy and under sampling alike.
+Prompts are right-padded and prefilled together; every row keeps its own cache length and rope
+positions, so no left padding. Finished rows leave the batch (KVCache.keep_rows), so the tail
+decodes at small batch.
 
 Speculative decoding (SD) may switch on when the running sequences are <= spec.threshold; then a
 bucketed epsilon-greedy bandit (bandit.py) picks the arm for each step: an EAGLE strategy
@@ -39,9 +42,9 @@ from torch import Tensor
 
 from .bandit import BucketedBandit
 from .model import Transformer
-from .sampling import SamplingParams, pick, process
-from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, chain_rule, draft, draft_vocab_ids, \
-    ngram_propose, root_tree, tree_mask, walk
+from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
+from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
+    root_tree, tree_mask, walk
 
 OFF, NGRAM = "off", "ngram"
 
@@ -211,8 +214,8 @@ class RolloutMetrics:
 @dataclass
 class RolloutResult:
     tokens: list[list[int]]  # response ids per sample (prompt excluded; ends with the EOS id when it stopped on one)
-    # log-softmax of the RAW target logits (temperature 1, no top-k/top-p) at each response token, [len]
-    # float32; the same quantity a learner's scoring pass computes (it recomputes its own anyway)
+    # log-prob of each response token under the distribution it was sampled from (sampling.token_logprobs:
+    # temperature, top-k, top-p; greedy: temperature 1), [len] float32: the learner's old log-probs
     logprobs: list[Tensor]
     lengths: list[int]
     finished: list[bool]  # True: stopped on an EOS id; False: reached max_new_tokens
@@ -221,12 +224,15 @@ class RolloutResult:
     # sequence (the drafter's training pairs). None when harvest_hidden is False.
     hidden: list[Tensor] | None
     metrics: RolloutMetrics
+    # per sample [len] bool: the token was a draft the target accepted (None: the engine does not say)
+    from_draft: list[Tensor] | None = None
 
 
 class _Rows:
     """Device state of the rows in the batch: row r of every tensor is the same sequence."""
 
-    def __init__(self, model: Transformer, drafter, prompts: Sequence[Sequence[int]], L: int, need_hidden: bool):
+    def __init__(self, model: Transformer, drafter, prompts: Sequence[Sequence[int]], L: int, need_hidden: bool,
+                 seed: int):
         dev = model.device
         B = len(prompts)
         self.cache = model.new_cache(B, L)
@@ -237,6 +243,8 @@ class _Rows:
         self.seq = seq.to(dev)  # prompt + response; seq[b, n] = pending token
         self.hid = torch.empty(B, L, model.config.hidden_size, dtype=model.dtype, device=dev) if need_hidden else None
         self.lp = torch.zeros(B, L, dtype=torch.float32, device=dev)  # log-prob of seq[b, i], response part
+        self.fd = torch.zeros(B, L, dtype=torch.bool, device=dev)  # seq[b, i] was an accepted draft
+        self.keys = sample_keys(seed, B, dev)  # sample b's randomness (sampling.uniforms)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         self.ids = list(range(B))  # sample index of each row
         self.alive = torch.ones(B, dtype=torch.bool, device=dev)  # finished rows stay until compaction
@@ -248,7 +256,7 @@ class _Rows:
         self.cache.keep_rows(idx)
         if self.dcache is not None:
             self.dcache.keep_rows(idx)
-        self.seq, self.lp = self.seq[idx], self.lp[idx]
+        self.seq, self.lp, self.fd, self.keys = self.seq[idx], self.lp[idx], self.fd[idx], self.keys[idx]
         self.hid = self.hid[idx] if self.hid is not None else None
         self.prompt_len, self.alive = self.prompt_len[idx], self.alive[idx]
         self.ids = [self.ids[r] for r in rows]
@@ -259,8 +267,7 @@ class _Rows:
 @torch.inference_mode()
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
              max_new_tokens: int, eos_ids: Sequence[int] = (), drafter=None, spec: SpecPolicy | None = None,
-             bandit: BucketedBandit | None = None, seed: int = 0, generator: torch.Generator | None = None,
-             harvest_hidden: bool = True, hidden_dtype: torch.dtype = torch.float32,
+             bandit: BucketedBandit | None = None, seed: int = 0, harvest_hidden: bool = True, hidden_dtype: torch.dtype = torch.float32,
              on_progress: Callable[[dict[str, Any]], None] | None = None) -> RolloutResult:
     """Generate a response for every prompt (token id lists; repeat a prompt for n samples).
 
@@ -268,14 +275,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     max_new_tokens. drafter: an EAGLE drafter (drafter.py) or None (then only the n-gram arm can
     speculate). spec: None or enabled=False for plain decoding. bandit: pass one
     (spec.new_bandit(...)) to keep learning across calls; else a fresh one per call.
-    seed / generator: the sampling randomness (same seed, same samples, for a fixed arm sequence).
+    seed: the sampling randomness: sample b's tokens depend only on (seed, b, its prompt, the model),
+    never on the arms, the batch or SD (sampling.py).
     on_progress: called with {"t", "running", "finished", "sd"} whenever the running count changes.
     The device is the model's.
     """
     t0 = time.perf_counter()
     dev = model.device
-    if generator is None:
-        generator = torch.Generator(device=dev).manual_seed(seed)
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("need at least one prompt, each with at least one token")
     policy = spec if spec is not None else SpecPolicy(enabled=False)
@@ -286,13 +292,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     slack = max([a.verify + 1 for a in arms.values()] + [a.depth * a.topk + 1 for a in arms.values()] + [2]) + 2
     B0 = len(prompts)
     L = max(len(p) for p in prompts) + max_new_tokens + slack
-    rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None)
+    rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None, seed)
     head = policy.draft_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)
     out_tokens: list[list[int]] = [[] for _ in range(B0)]
     out_lp: list[Tensor] = [torch.empty(0)] * B0
+    out_fd: list[Tensor] = [torch.empty(0, dtype=torch.bool)] * B0
     out_hidden: list[Tensor] | None = [torch.empty(0)] * B0 if harvest_hidden else None
     out_eos = [False] * B0
     groups: dict[tuple[int, ...], int] = {}
@@ -306,6 +313,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         full = rows.seq[r, :n + 1].tolist()
         out_tokens[i] = full[P:]
         out_lp[i] = rows.lp[r, P:n + 1].float().cpu()
+        out_fd[i] = rows.fd[r, P:n + 1].cpu()
         if out_hidden is not None:
             out_hidden[i] = rows.hid[r, :n].to("cpu", hidden_dtype)
         out_eos[i] = hit_eos
@@ -334,9 +342,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     if rows.hid is not None:
         rows.hid[:, :Pmax] = out.hidden
     logits = model.lm_head(out.hidden[bidx, P - 1])  # [B, V] only where the prompts end
-    tok = pick(logits, params, generator)
+    z = processed_logits(logits, params)
+    tok = logits.argmax(-1) if params.greedy else sample(z.softmax(-1), uniforms(rows.keys, P[:, None])[:, 0])
     rows.seq[bidx, P] = tok
-    rows.lp[bidx, P] = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+    rows.lp[bidx, P] = torch.log_softmax(z, -1).gather(1, tok[:, None])[:, 0]
     rows.cache.lengths = P.clone()  # pending token = the first response token, at position P
     hit = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(rows.alive)
     done = hit | (max_new_tokens <= 1)
@@ -378,15 +387,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         bidx = torch.arange(B, device=dev)
         roots = rows.seq[bidx, n]
         s_max = max(rows.n_host)
-        sampled_chain = False
         if not sd_on:
             tree = root_tree(roots)
         elif arm.label == NGRAM:
             tree = _ngram_tree(rows, roots, prompts, group_of, done_seqs, policy.ngram_n, arm.depth)
-        else:
-            sampled_chain = arm.topk == 1 and not params.greedy
+        else:  # a draft token at level j sits at position n + j and uses that position's uniform
+            u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
             tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                         verify=arm.verify, params=params, generator=generator, sample_chain=sampled_chain, head=head)
+                         verify=arm.verify, params=params, u=u, head=head)
 
         # --- one target pass over the tree, lossless acceptance ---
         T = tree.tokens.shape[1]
@@ -396,11 +404,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         else:
             mask = tree_mask(n, ancestors(tree), s_max + T)
         out = model(tree.tokens, n[:, None] + tree.depth, rows.cache, write_pos=n[:, None] + ar, mask=mask)
-        st = stats if T > 1 else None
-        if sampled_chain:
-            path, n_acc, nxt = chain_rule(tree, process(out.logits, params), generator, st)
-        else:
-            path, n_acc, nxt = walk(tree, pick(out.logits, params, generator), st)
+        z = processed_logits(out.logits, params)  # [B, T, V]
+        if params.greedy:
+            y = out.logits.argmax(-1)
+        else:  # the target's draw after each node: the uniform of position n + depth + 1
+            y = sample(z.softmax(-1), uniforms(rows.keys, n[:, None] + tree.depth + 1))
+        path, n_acc, nxt = walk(tree, y, stats if T > 1 else None)
         D = path.shape[1] - 1
         j = torch.arange(D + 1, device=dev)
         if D and not tree.chain:
@@ -413,11 +422,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             rows.hid[bidx[:, None], n[:, None] + j] = out.hidden.gather(1, path[..., None].expand(-1, -1, H))
         em = torch.cat([tree.tokens.gather(1, path[:, 1:]), nxt[:, None]], 1)  # [B, D+1] emitted at n+1..
         em.scatter_(1, n_acc[:, None], nxt[:, None])
-        V = out.logits.shape[-1]
-        lps = torch.log_softmax(out.logits.gather(1, path[..., None].expand(-1, -1, V)).float(), -1)
+        V = z.shape[-1]
+        lps = torch.log_softmax(z.gather(1, path[..., None].expand(-1, -1, V)), -1)
         wpos = n[:, None] + 1 + j
         rows.seq[bidx[:, None], wpos] = em
         rows.lp[bidx[:, None], wpos] = lps.gather(2, em[..., None])[..., 0]
+        rows.fd[bidx[:, None], wpos] = j[None, :] < n_acc[:, None]
         k, done, hit = stop(em, n_acc + 1)
         rows.cache.lengths = n + k
         k_host, done_host, hit_host, n_host = torch.stack([k, done.long(), hit.long(), rows.cache.lengths]).tolist()
@@ -446,7 +456,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     m.accepted_hist = stats.hist.tolist()
     m.accepted_by_pos = stats.accepted.tolist()
     m.attempted_by_pos = stats.attempted.tolist()
-    return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m)
+    return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m, out_fd)
 
 
 def _ngram_tree(rows: _Rows, roots: Tensor, prompts, group_of: list[int], done_seqs: dict[int, list[np.ndarray]],

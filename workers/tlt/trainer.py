@@ -48,6 +48,7 @@ from .config import TLTConfig
 from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
+from .sampling import sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ class Trainer:
         dtype = getattr(torch, cfg.model.dtype)
         self.policy = Transformer.from_pretrained(self.policy_folder, dtype=dtype, device=self.device)
         self.eos_ids = sorted({self.task.eos_id, *self.policy.config.eos_ids})
-        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id)
+        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id, sampling=sampling_params(cfg.rollout))
         self.prompt_rng = random.Random(cfg.run.seed)
 
         from .buffer import DrafterBuffer
