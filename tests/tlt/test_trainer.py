@@ -22,7 +22,8 @@ from workers.tlt.config import load_config, preset
 from workers.tlt.checkpoint import CheckpointManager
 from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, JsonlSink, Tracking
 from workers.tlt.model import Transformer
-from workers.tlt.trainer import Trainer, prepare_policy_folder
+from workers.tlt.policies import prepare_policy_folder
+from workers.tlt.trainer import Trainer
 
 STEPS = 3
 
@@ -260,7 +261,6 @@ def vllm_cfg(steps: int = STEPS):
 def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in_place():
     from workers.tlt.drafter import Drafter
     from workers.tlt.ray_workers import CoordinatorImpl, RolloutWorkerImpl
-    from workers.tlt.trainer import prepare_policy_folder
 
     cfg = vllm_cfg()
     policy = Transformer.from_pretrained(prepare_policy_folder(cfg))

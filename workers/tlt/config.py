@@ -64,13 +64,16 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    kind: Literal["longtail", "math", "jsonl"] = Field(
+    kind: Literal["longtail", "math", "mathmix", "jsonl"] = Field(
         "longtail",
-        description="longtail: built-in reasoning task with long-tailed solution lengths; "
-        "math: generated word problems; jsonl: your file of {prompt, answer} lines.",
+        description="longtail: built-in reasoning task with long-tailed solution lengths (tiny model); "
+        "math: generated word problems; mathmix: one-step drills mixed with word problems (short answers "
+        "that RL improves, a long tail of rambling ones); jsonl: your file of {prompt, answer} lines.",
     )
     path: str = Field("", description="JSONL file when kind is jsonl.")
     prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per RL step.")
+    hard_fraction: float = Field(0.5, ge=0.0, le=1.0,
+                                 description="mathmix: share of each step's prompts that are word problems.")
 
     @model_validator(mode="after")
     def _check(self) -> "TaskSection":
@@ -124,10 +127,22 @@ class SpecSection(_Section):
 
 
 class DrafterSection(_Section):
-    lr: float = Field(3e-4, gt=0, le=1.0, description="Drafter AdamW learning rate.")
-    warmup_steps: int = Field(200, ge=0, le=100_000, description="Offline warm-up steps on the model's own generations.")
+    lr: float = Field(3e-4, gt=0, le=1.0, description="Spot-training AdamW learning rate.")
+    spot_training: bool = Field(
+        True, description="Train the drafter on idle workers during RL (TLT). Off: the warmed-up drafter stays "
+                          "frozen (the stale-drafter control).")
+    warmup_steps: int = Field(200, ge=0, le=100_000, description="Offline warm-up steps on the policy's own answers.")
     warmup_prompts: int = Field(64, ge=1, le=100_000,
                                 description="Prompts the starting policy answers for the offline warm-up (its training data).")
+    warmup_max_new_tokens: int = Field(256, ge=1, le=65_536,
+                                       description="Length cap of the warm-up answers (the start of a runaway answer "
+                                                   "teaches as much as its end, at a fraction of the decode time).")
+    warmup_lr: float = Field(1e-3, gt=0, le=1.0, description="Peak warm-up learning rate (linear warm-up, cosine decay).")
+    warmup_batch_tokens: int = Field(1536, ge=16, description="Padded tokens per warm-up step.")
+    train_vocab: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Soft cross-entropy over the N most frequent tokens of the warm-up answers (plus EOS), in the "
+                    "warm-up and in spot training: the LM head's cost shrinks with it (0: the whole vocabulary).")
     batch_tokens: int = Field(2048, ge=16, description="Tokens per spot-training micro-batch.")
     spot_update_steps: int = Field(
         4, ge=1, le=1000,

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .bandit import BucketedBandit
+from .linear import tune
 from .model import Transformer
 from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
@@ -286,6 +287,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         raise ValueError("need at least one prompt, each with at least one token")
     policy = spec if spec is not None else SpecPolicy(enabled=False)
     arms = {a.label: a for a in policy.arms(drafter is not None)} if policy.enabled else {}
+    for m in (model, drafter if arms else None):  # this machine's fastest few-row kernels (cached)
+        if isinstance(m, torch.nn.Module) and dev.type == "cpu":
+            tune(m)
     if arms and bandit is None:
         bandit = policy.new_bandit(drafter is not None, seed)
     max_depth = max([a.depth for a in arms.values()] + [1])
@@ -294,6 +298,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     L = max(len(p) for p in prompts) + max_new_tokens + slack
     rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None, seed)
     head = policy.draft_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
+    if head is not None and head.head is not None and dev.type == "cpu":
+        tune(head.head)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)

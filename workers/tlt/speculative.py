@@ -222,7 +222,7 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
 
     if topk == 1:
         toks = []
-        x = h[:, None]
+        x, tok = h[:, None], root
         for level in range(1, depth + 1):
             if level > 1:
                 pos = (lengths + level - 2)[:, None]  # drafter position of the previous draft token

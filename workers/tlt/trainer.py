@@ -27,12 +27,9 @@ instance sized to the machine. Rollout workers ask for num_gpus=1 on CUDA config
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,16 +45,10 @@ from .config import TLTConfig
 from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
+from .policies import prepare_policy_folder
 from .sampling import sampling_params
 
 log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def model_cache_dir() -> Path:
-    """Where SFT'd tiny models and converted checkpoints are cached (env TLT_MODEL_CACHE)."""
-    return Path(os.environ.get("TLT_MODEL_CACHE") or REPO_ROOT / "var" / "models")
 
 
 def resolve_device(cfg: TLTConfig) -> str:
@@ -66,51 +57,12 @@ def resolve_device(cfg: TLTConfig) -> str:
     return cfg.run.device
 
 
-# --- models -----------------------------------------------------------------------------------
-
-
-def tiny_model_key(cfg: TLTConfig) -> str:
-    """Cache key of the SFT'd tiny model: everything that changes its weights."""
-    m = cfg.model
-    data = {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv": m.num_kv_heads,
-            "sft_steps": m.sft_steps, "seed": cfg.run.seed, "task": cfg.task.kind, "v": 1}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def prepare_policy_folder(cfg: TLTConfig) -> Path:
-    """A Hugging Face folder with the starting policy (built and cached on first use)."""
-    source = cfg.model.source
-    if source == "hf":
-        folder = Path(cfg.model.path)
-        if not (folder / "config.json").exists():
-            raise FileNotFoundError(f"model.path {folder} has no config.json")
-        return folder
-    if source == "smollm2-135m":
-        from .smollm2 import ensure_smollm2
-
-        return ensure_smollm2(model_cache_dir() / "smollm2-135m")
-    # tiny: build + supervised warm-up on the long-tail task, cached by config hash
-    folder = model_cache_dir() / f"tiny-{tiny_model_key(cfg)}"
-    if (folder / "model.safetensors").exists() and (folder / "config.json").exists():
-        return folder
-    from .sft import train_tiny_longtail
-
-    log.info("training the tiny policy (%d SFT steps) into %s", cfg.model.sft_steps, folder)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process got there first: theirs is as good as ours
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
 def make_run_task(cfg: TLTConfig, policy_folder: Path):
     from .tasks import make_task
 
     if cfg.task.kind == "longtail":
         return make_task("longtail")
-    return make_task(cfg.task.kind, tokenizer=policy_folder, path=cfg.task.path)
+    return make_task(cfg.task.kind, tokenizer=policy_folder, path=cfg.task.path, hard_fraction=cfg.task.hard_fraction)
 
 
 # --- Ray --------------------------------------------------------------------------------------
@@ -245,7 +197,8 @@ class Trainer:
         self.resume = resume
         self.progress = progress
         self.worker_actor = worker_actor  # Ray actor class of rollout workers (default ray_workers.RolloutWorker)
-        self.tlt = cfg.run.tlt
+        self.tlt = cfg.run.tlt  # SD in the tail
+        self.spot = self.tlt and cfg.drafter.spot_training  # and the drafter trained on idle workers
         self.device = resolve_device(cfg)
         self.step = 0
         self.workers: list[Any] = []
@@ -257,6 +210,7 @@ class Trainer:
         self._stop_requested = False
         self._records_from_learner = cfg.rollout.engine == "vllm"  # set from the workers after each step
         self.setup_s: dict[str, float] = {}  # seconds of each setup part (policy, drafter_warmup, actors)
+        self.warmup_info: dict[str, Any] = {}  # the drafter warm-up's summary (drafter_warmup.warmup_drafter)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -298,19 +252,17 @@ class Trainer:
         self.setup_s["actors"] = time.perf_counter() - t
 
     def _warmup_drafter(self) -> None:
-        """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only)."""
-        from .drafter_train import DrafterTrainer
+        """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only;
+        drafter_warmup.py: one recipe with the rollout bench, cached across runs)."""
+        from .drafter_warmup import warmup_drafter, weights_digest
 
         cfg = self.cfg
-        t = time.perf_counter()
-        prompts = self.task.sample_prompts(max(cfg.drafter.warmup_prompts, cfg.task.prompts_per_step * 2),
-                                           random.Random(cfg.run.seed + 7))
-        trainer = DrafterTrainer(self.drafter, cfg.drafter, seed=cfg.run.seed)
-        steps = trainer.warmup(self.policy, [p.ids for p in prompts], cfg.drafter.warmup_steps,
-                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                               seed=cfg.run.seed)
+        drafter, info = warmup_drafter(self.policy, self.task, cfg.drafter, sampling=sampling_params(cfg.rollout),
+                                       policy_key=weights_digest(self.policy_folder),
+                                       max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
+        self.drafter.load_state_dict(drafter.state_dict())
         self.drafter.eval()
-        log.info("drafter warm-up: %d steps in %.1fs (%s)", steps, time.perf_counter() - t, trainer.last_metrics)
+        self.warmup_info = info
 
     def _start_actors(self) -> None:
         from .ray_workers import Coordinator, RolloutWorker
@@ -431,10 +383,10 @@ class Trainer:
                 shard_rows = [rows[g * n + j] for g in shard for j in range(n)]
                 seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
                 refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
-            if self.tlt:  # while the workers generate; they wait for it only when they report done
+            if self.spot:  # while the workers generate; they wait for it only when they report done
                 begun = self.coordinator.begin_step.remote(step, drafter_ref, self._prev_records_ref())
             results = ray.get(refs)
-            if self.tlt:  # the rollout is over: stop spot training now; collect it after the learner
+            if self.spot:  # the rollout is over: stop spot training now; collect it after the learner
                 for w in self.workers:
                     w.preempt.remote()
                 finished = self.coordinator.finish.remote()
@@ -454,7 +406,7 @@ class Trainer:
             rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
 
         # an engine without hidden states (vLLM): the learner's old-log-prob pass computes them anyway
-        from_learner = self.tlt and not all(r["harvested"] for r in results)
+        from_learner = self.spot and not all(r["harvested"] for r in results)
         self._records_from_learner = from_learner
         with self.acct.phase("learner"):
             batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
@@ -463,7 +415,7 @@ class Trainer:
 
         drafter_stats: dict[str, float] = {}
         with self.acct.phase("buffer"):
-            if self.tlt:  # the workers' records and spot training, and the master drafter (long done by now)
+            if self.spot:  # the workers' records and spot training, and the master drafter (long done by now)
                 ray.get(begun)
                 self.drafter_state, drafter_stats = ray.get(finished)
                 for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
@@ -473,7 +425,7 @@ class Trainer:
                     if resp:
                         self.buffer.add(list(prompt) + list(resp), hid, len(prompt), step)
                 self.learner.last_hidden = None
-            elif self.tlt:
+            elif self.spot:
                 for res in results:
                     for ref in res["records"] or []:
                         for r in ray.get(ref):
