@@ -325,3 +325,35 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     finally:
         trainer.close()
         tracking.close()
+
+
+def test_a_static_drafter_run_speculates_but_never_trains_its_drafter(ray_local, tmp_path):
+    data = tiny_cfg(steps=2).model_dump(mode="json")
+    data["drafter"]["spot_training"] = False
+    tracking = Tracking([JsonlSink(tmp_path / "metrics.jsonl")])
+    trainer = Trainer(load_config(data), tmp_path, tracking)
+    try:
+        trainer.setup()
+        warmed = {k: v.clone() for k, v in trainer.drafter_state.items()}
+        trainer.run()
+        assert sum(h.scalars["spec/verify_passes"] for h in trainer.history) > 0  # SD ran
+        assert all(h.scalars["drafter/steps"] == 0 and h.scalars["idle/reclaimed_s"] == 0 for h in trainer.history)
+        assert all(torch.equal(trainer.drafter_state[k], v) for k, v in warmed.items())  # frozen after warm-up
+    finally:
+        trainer.close()
+        tracking.close()
+
+
+def test_each_step_keeps_a_few_responses_for_the_sample_viewer(tlt_run):
+    _, history = tlt_run
+    for h in history:
+        samples = h.series["rollout/samples"]
+        assert 1 <= len(samples) <= 8 and len({s["sample"] for s in samples}) == len(samples)
+        for s in samples:
+            toks = h.responses[s["sample"]]
+            assert s["length"] == len(toks) == len(s["tokens"]) == len(s["from_draft"])
+            assert s["reward"] == h.rewards[s["sample"]] and s["prompt"].startswith("sum ")
+        lengths = [len(t) for t in h.responses]
+        assert max(lengths) in [s["length"] for s in samples]  # the longest is always shown
+    # SD ran in this run: some shown token came from an accepted draft
+    assert any(f for h in history for s in h.series["rollout/samples"] for f in s["from_draft"])

@@ -58,6 +58,8 @@ SERIES_KEYS = {
     "spec/accept_by_position": "list[float]: acceptance rate at draft position 1..depth",
     "spec/strategy": "{bucket label: {arm label: times chosen}}",
     "idle/timeline": "[{worker: int, segments: [[kind, start_s, end_s]]}], kind in generate|idle|drafter",
+    "rollout/samples": "[{sample, prompt, tokens: [str], from_draft: [0|1], reward, length, truncated}]: "
+                       "a few of the step's responses (samples.py)",
 }
 
 

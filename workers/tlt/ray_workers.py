@@ -432,6 +432,7 @@ class RolloutWorkerImpl:
             "logprobs": [lp.tolist() for lp in res.logprobs],
             "lengths": [int(n) for n in res.lengths],
             "finished": [bool(f) for f in res.finished],
+            "from_draft": [f.int().tolist() for f in res.from_draft] if res.from_draft is not None else None,
             "metrics": res.metrics.to_dict(),
             "gen_start": gen_start,
             "gen_end": gen_end,

@@ -46,6 +46,7 @@ from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
 from .policies import prepare_policy_folder
+from .samples import step_samples
 from .sampling import sampling_params
 
 log = logging.getLogger(__name__)
@@ -397,10 +398,14 @@ class Trainer:
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         lengths: list[int] = []
+        hit_eos: list[bool] = []
+        from_draft: list[list[int] | None] = []
         for res in results:  # shards are contiguous prompt ranges in worker order: group order holds
             tokens.extend(res["tokens"])
             logprobs.extend(res["logprobs"])
             lengths.extend(res["lengths"])
+            hit_eos.extend(res["finished"])
+            from_draft.extend(res.get("from_draft") or [None] * len(res["tokens"]))
 
         with self.acct.phase("reward"):
             rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
@@ -449,7 +454,10 @@ class Trainer:
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
         scalars.update(self.acct.timings())
-        series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series}
+        series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series,
+                  "rollout/samples": step_samples([prompts[i // n].text for i in range(len(tokens))], tokens,
+                                                  from_draft, rewards, hit_eos, self._decode_token, step=step,
+                                                  seed=cfg.run.seed)}
 
         self.tracking.log(step, scalars, series)
         interval = cfg.run.checkpoint_interval
@@ -461,6 +469,9 @@ class Trainer:
         if self.progress is not None:
             self.progress(step, scalars)
         return out
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.task.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def run(self) -> dict[str, Any]:
         """Run the remaining steps (all of them, or those after the resumed checkpoint)."""
