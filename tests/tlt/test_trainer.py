@@ -20,7 +20,7 @@ import torch
 
 from workers.tlt.config import load_config, preset
 from workers.tlt.checkpoint import CheckpointManager
-from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, JsonlSink, Tracking
+from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, WHEN_MEASURED, JsonlSink, Tracking
 from workers.tlt.model import Transformer
 from workers.tlt.policies import prepare_policy_folder
 from workers.tlt.trainer import Trainer
@@ -99,7 +99,7 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
     assert [r["step"] for r in steps] == [1, 2, 3]
     for h in history:
         s, series = h.scalars, h.series
-        assert set(SCALAR_KEYS) <= set(s), set(SCALAR_KEYS) - set(s)
+        assert set(SCALAR_KEYS) - WHEN_MEASURED <= set(s), set(SCALAR_KEYS) - WHEN_MEASURED - set(s)
         assert set(SERIES_KEYS) <= set(series), set(SERIES_KEYS) - set(series)
         assert all(isinstance(v, float) for v in s.values())
         assert 0.0 <= s["idle/reclaimed_s"] <= s["idle/worker_s"] + 1e-9
@@ -119,6 +119,10 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
         running = series["rollout/running"]
         assert len(running["t"]) == len(running["running"]) == len(running["sd"])
     assert sum(h.scalars["spec/verify_passes"] for h in history) > 0  # SD ran in the tail
+    assert any("spec/acceptance_length" in h.scalars for h in history)
+    for h in history:  # measured, or absent: never a placeholder
+        assert ("spec/acceptance_length" in h.scalars) == (h.scalars["spec/verify_passes"] > 0)
+        assert ("drafter/loss" in h.scalars) == (h.scalars.get("drafter/updates", 0) > 0)
     kinds = {r["artifact"] for r in records if "artifact" in r}
     assert kinds == {"drafter", "policy"}
     assert (out / "policy.zip").exists()

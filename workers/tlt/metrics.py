@@ -52,6 +52,12 @@ SCALAR_KEYS = {
     "learner/kl": "KL to the reference (0 when disabled)",
 }
 
+# scalars a step reports only when it measured them (a chart shows a gap, never a made-up zero):
+# acceptance only when SD verified a draft, each tail speed only when that mode ran in the tail,
+# the drafter's loss and accuracy only when a spot-training update was applied
+WHEN_MEASURED = {"spec/acceptance_length", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
+                 "drafter/loss", "drafter/accuracy"}
+
 SERIES_KEYS = {
     "rollout/lengths": "list[int]: every response length of the step",
     "rollout/running": "{t: [s], running: [int], sd: [0|1]}: running sequences over rollout time",

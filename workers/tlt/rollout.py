@@ -31,6 +31,8 @@ exactly the drafter's training input, with no extra forward pass.
 
 from __future__ import annotations
 
+import bisect
+import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,6 +48,8 @@ from .model import Transformer
 from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
     root_tree, tree_mask, walk
+
+log = logging.getLogger(__name__)
 
 OFF, NGRAM = "off", "ngram"
 
@@ -116,8 +120,13 @@ class SpecPolicy:
             ids = torch.as_tensor(list(self.draft_ids), dtype=torch.long).unique()
         elif self.draft_vocab and self.draft_vocab < vocab_size:
             counts = getattr(drafter, "token_counts", None)
-            counts = torch.zeros(vocab_size) if counts is None else counts.detach().float().cpu()[:vocab_size]
-            ids = draft_vocab_ids(counts, self.draft_vocab, eos_ids)
+            if counts is None or not bool(counts.any()):
+                # without its training data's token counts the subset would be ids 0..N-1: still
+                # lossless, but most drafts would miss; draft over the whole vocabulary instead
+                log.warning("spec.draft_vocab=%d but the drafter carries no token counts: drafting over the "
+                            "whole vocabulary", self.draft_vocab)
+                return DraftHead(drafter)
+            ids = draft_vocab_ids(counts.detach().float().cpu()[:vocab_size], self.draft_vocab, eos_ids)
         else:
             return DraftHead(drafter)
         return DraftHead(drafter, ids, vocab_size, device)
@@ -130,7 +139,9 @@ class SpecPolicy:
 
 @dataclass
 class RolloutMetrics:
-    """What one rollout measured. `to_dict()` is JSON-able; `scalars()`/`series()` use metrics.py keys."""
+    """What one rollout measured (or several, merged). `to_dict()`/`from_dict()` are JSON-able;
+    `scalars()`/`series()` use metrics.py keys and leave out what was not measured (no SD pass: no
+    acceptance; no plain step in the tail: no plain tail speed), so charts show gaps, not zeros."""
 
     threshold: int = 0  # tail = running sequences <= threshold
     wall_s: float = 0.0  # whole rollout, prefill included
@@ -148,6 +159,8 @@ class RolloutMetrics:
     tail_s_sd: float = 0.0
     tail_tokens_no_sd: int = 0  # tokens emitted in the tail by plain decode steps
     tail_s_no_sd: float = 0.0
+    tail_wall_s: float = 0.0  # decode time in the tail (merged: the longest worker's)
+    draft_vocab_coverage: float = -1.0  # share of emitted tokens inside the reduced draft vocabulary (-1: none)
 
     def count_tail(self, emitted: int, seconds: float, sd_on: bool, bucket: str = "", arm: str = "") -> None:
         """Book one decode/verify step taken in the tail (running <= threshold)."""
@@ -157,6 +170,7 @@ class RolloutMetrics:
         else:
             self.tail_tokens_no_sd += emitted
             self.tail_s_no_sd += seconds
+        self.tail_wall_s += seconds
         if arm:
             counts = self.strategy.setdefault(bucket, {})
             counts[arm] = counts.get(arm, 0) + 1
@@ -166,6 +180,10 @@ class RolloutMetrics:
         """Tokens emitted per row per verify pass (accepted drafts + the target's own token)."""
         n = sum(self.accepted_hist)
         return sum((k + 1) * c for k, c in enumerate(self.accepted_hist)) / n if n else 0.0
+
+    @property
+    def accept_by_position(self) -> list[float]:
+        return [a / n if n else 0.0 for a, n in zip(self.accepted_by_pos, self.attempted_by_pos)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -187,27 +205,86 @@ class RolloutMetrics:
         d = asdict(self)
         d["running"] = [[round(t, 6), r, bool(s)] for t, r, s in self.running]
         d["sd_switches"] = [[round(t, 6), bool(s)] for t, s in self.sd_switches]
-        for k in ("acceptance_length", "tokens_per_s", "tail_tokens_per_s_sd", "tail_tokens_per_s_no_sd",
-                  "switch_on_s"):
-            d[k] = getattr(self, k)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RolloutMetrics":
+        known = {f for f in cls.__dataclass_fields__}
+        m = cls(**{k: v for k, v in d.items() if k in known})
+        m.running = [(float(t), int(r), bool(sd)) for t, r, sd in m.running]
+        m.sd_switches = [(float(t), bool(on)) for t, on in m.sd_switches]
+        return m
+
+    @classmethod
+    def merge(cls, parts: Sequence["RolloutMetrics"], offsets: Sequence[float]) -> "RolloutMetrics":
+        """One rollout's metrics from its workers': offsets[i] is how long after the rollout's start
+        worker i began (each worker's clock starts at its own generation). Counters add up (a worker
+        that decoded more weighs more), the running curves add up as step functions, the wall and
+        the tail are the longest worker's."""
+        def add(lists: list[list[int]]) -> list[int]:
+            out = [0] * max((len(x) for x in lists), default=0)
+            for x in lists:
+                for i, v in enumerate(x):
+                    out[i] += v
+            return out
+
+        m = cls(threshold=max((p.threshold for p in parts), default=0))
+        m.wall_s = max((p.wall_s + off for p, off in zip(parts, offsets)), default=0.0)
+        m.prefill_s = max((p.prefill_s for p in parts), default=0.0)
+        m.total_tokens = sum(p.total_tokens for p in parts)
+        m.lengths = [n for p in parts for n in p.lengths]
+        m.verify_passes = sum(p.verify_passes for p in parts)
+        m.accepted_hist = add([p.accepted_hist for p in parts])
+        m.accepted_by_pos = add([p.accepted_by_pos for p in parts])
+        m.attempted_by_pos = add([p.attempted_by_pos for p in parts])
+        for p in parts:
+            for bucket, arms in p.strategy.items():
+                dst = m.strategy.setdefault(bucket, {})
+                for arm, count in arms.items():
+                    dst[arm] = dst.get(arm, 0) + int(count)
+        for key in ("tail_tokens_sd", "tail_s_sd", "tail_tokens_no_sd", "tail_s_no_sd"):
+            setattr(m, key, sum(getattr(p, key) for p in parts))
+        m.tail_wall_s = max((p.tail_wall_s for p in parts), default=0.0)
+        covered = [(p.draft_vocab_coverage, p.total_tokens) for p in parts if p.draft_vocab_coverage >= 0]
+        if covered:
+            m.draft_vocab_coverage = sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered))
+        m.sd_switches = sorted((t + off, on) for p, off in zip(parts, offsets) for t, on in p.sd_switches)
+        curves = [([t + off for t, _, _ in p.running], [r for _, r, _ in p.running], [sd for _, _, sd in p.running])
+                  for p, off in zip(parts, offsets) if p.running]
+        for t in sorted({t for ts, _, _ in curves for t in ts}):
+            running = sd = 0
+            for ts, rs, sds in curves:
+                i = bisect.bisect_right(ts, t) - 1
+                if i >= 0:
+                    running += rs[i]
+                    sd = max(sd, int(sds[i]))
+            m.running.append((t, running, bool(sd)))
+        return m
+
     def scalars(self) -> dict[str, float]:
-        return {
+        out = {
             "rollout/tokens_per_s": self.tokens_per_s,
-            "rollout/tail_tokens_per_s_sd": self.tail_tokens_per_s_sd,
-            "rollout/tail_tokens_per_s_no_sd": self.tail_tokens_per_s_no_sd,
-            "spec/acceptance_length": self.acceptance_length,
+            "rollout/wall_s": self.wall_s,
+            "rollout/tail_s": self.tail_wall_s,
+            "spec/verify_passes": float(self.verify_passes),
             "spec/switch_on_s": self.switch_on_s,
-            "timing_s/rollout": self.wall_s,
         }
+        if self.tail_s_sd:
+            out["rollout/tail_tokens_per_s_sd"] = self.tail_tokens_per_s_sd
+        if self.tail_s_no_sd:
+            out["rollout/tail_tokens_per_s_no_sd"] = self.tail_tokens_per_s_no_sd
+        if sum(self.accepted_hist):
+            out["spec/acceptance_length"] = self.acceptance_length
+        if self.draft_vocab_coverage >= 0:
+            out["spec/draft_vocab_coverage"] = self.draft_vocab_coverage
+        return out
 
     def series(self) -> dict[str, Any]:
         return {
             "rollout/lengths": list(self.lengths),
-            "rollout/running": {"t": [t for t, _, _ in self.running], "running": [r for _, r, _ in self.running],
+            "rollout/running": {"t": [round(t, 4) for t, _, _ in self.running], "running": [r for _, r, _ in self.running],
                                 "sd": [int(s) for _, _, s in self.running]},
-            "spec/accept_by_position": [a / n if n else 0.0 for a, n in zip(self.accepted_by_pos, self.attempted_by_pos)],
+            "spec/accept_by_position": self.accept_by_position,
             "spec/strategy": self.strategy,
         }
 
@@ -459,6 +536,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     m.running.append((m.wall_s, 0, sd_prev))
     m.lengths = [len(t) for t in out_tokens]
     m.total_tokens = sum(m.lengths)
+    if head is not None and head.ids is not None:  # low: the draft vocabulary misses what this policy writes
+        emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long)
+        m.draft_vocab_coverage = float(torch.isin(emitted, head.ids.cpu()).float().mean()) if emitted.numel() else 1.0
     m.accepted_hist = stats.hist.tolist()
     m.accepted_by_pos = stats.accepted.tolist()
     m.attempted_by_pos = stats.attempted.tolist()

@@ -26,7 +26,6 @@ instance sized to the machine. Rollout workers ask for num_gpus=1 on CUDA config
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import random
@@ -46,6 +45,7 @@ from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
 from .policies import prepare_policy_folder
+from .rollout import RolloutMetrics
 from .samples import step_samples
 from .sampling import sampling_params
 
@@ -85,7 +85,7 @@ def ensure_ray(num_cpus: int | None = None) -> bool:
     return True
 
 
-# --- metrics merging --------------------------------------------------------------------------
+# --- metrics ----------------------------------------------------------------------------------
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -100,79 +100,6 @@ def length_scalars(lengths: list[int]) -> dict[str, float]:
         "rollout/len_p99": _percentile(lengths, 99),
         "rollout/len_max": float(max(lengths)) if lengths else 0.0,
     }
-
-
-def merge_rollout_metrics(per_worker: list[dict[str, Any]], offsets: list[float]) -> tuple[dict[str, float], dict[str, Any]]:
-    """Merge the workers' rollout metrics into rollout/* and spec/* scalars and series.
-
-    offsets[i]: seconds between the step's rollout start and worker i's generation start (each
-    worker's `running` curve is relative to its own start). Counters are summed before dividing,
-    so a worker that decoded more weighs more.
-    """
-    tot = lambda key: float(sum(float(m.get(key, 0.0) or 0.0) for m in per_worker))  # noqa: E731
-    wall = max((float(m.get("wall_s", 0.0)) + off for m, off in zip(per_worker, offsets)), default=0.0)
-    # acceptance length: tokens per row per verify pass = sum (k+1) * hist[k] / sum hist[k]
-    passes = emitted = 0.0
-    for m in per_worker:
-        for k, c in enumerate(m.get("accepted_hist") or []):
-            passes += c
-            emitted += (k + 1) * c
-    scalars = {
-        "rollout/tokens_per_s": tot("total_tokens") / wall if wall > 0 else 0.0,
-        "rollout/tail_tokens_per_s_sd": tot("tail_tokens_sd") / tot("tail_s_sd") if tot("tail_s_sd") > 0 else 0.0,
-        "rollout/tail_tokens_per_s_no_sd": (tot("tail_tokens_no_sd") / tot("tail_s_no_sd")
-                                            if tot("tail_s_no_sd") > 0 else 0.0),
-        "spec/acceptance_length": emitted / passes if passes > 0 else 0.0,
-        "spec/switch_on_s": -1.0,
-        "spec/verify_passes": tot("verify_passes"),
-        "rollout/wall_s": wall,
-        # the longest worker's decode time in the tail (its running sequences <= spec.threshold)
-        "rollout/tail_s": max((float(m.get("tail_s_sd", 0.0)) + float(m.get("tail_s_no_sd", 0.0)) for m in per_worker),
-                              default=0.0),
-    }
-    # acceptance by draft position: sum attempts and accepts over workers
-    attempted: list[float] = []
-    accepted: list[float] = []
-    for m in per_worker:
-        a, c = m.get("attempted_by_pos") or [], m.get("accepted_by_pos") or []
-        for i, (x, y) in enumerate(zip(a, c)):
-            if i >= len(attempted):
-                attempted.append(0.0)
-                accepted.append(0.0)
-            attempted[i] += float(x)
-            accepted[i] += float(y)
-    accept_by_pos = [c / a if a > 0 else 0.0 for a, c in zip(attempted, accepted)]
-
-    strategy: dict[str, dict[str, int]] = {}
-    for m in per_worker:
-        for bucket, arms in (m.get("strategy") or {}).items():
-            dst = strategy.setdefault(bucket, {})
-            for arm, count in arms.items():
-                dst[arm] = dst.get(arm, 0) + int(count)
-
-    # running sequences over rollout time: the sum of every worker's step function
-    curves = []
-    for m, off in zip(per_worker, offsets):
-        pts = m.get("running") or []  # [[t_s, running, sd_on], ...] at each change
-        if pts:
-            curves.append(([float(p[0]) + off for p in pts], [int(p[1]) for p in pts], [int(bool(p[2])) for p in pts]))
-    times = sorted({t for c in curves for t in c[0]})
-    running, sd = [], []
-    for t in times:
-        n = s_on = 0
-        for ts, rs, sds in curves:
-            i = bisect.bisect_right(ts, t) - 1
-            if i >= 0:
-                n += rs[i]
-                s_on = max(s_on, sds[i])
-        running.append(n)
-        sd.append(s_on)
-    series = {
-        "rollout/running": {"t": [round(t, 4) for t in times], "running": running, "sd": sd},
-        "spec/accept_by_position": accept_by_pos,
-        "spec/strategy": strategy,
-    }
-    return scalars, series
 
 
 # --- the trainer ------------------------------------------------------------------------------
@@ -280,7 +207,6 @@ class Trainer:
             for i in range(W)
         ]
         ray.get([w.load_worker_state.remote(s) for w, s in zip(self.workers, self.worker_states)])
-        self._policy_dirty = True
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -392,9 +318,7 @@ class Trainer:
                     w.preempt.remote()
                 finished = self.coordinator.finish.remote()
 
-        t_end = time.time()
         self.last_results = results
-        self.last_rollout_window = (t0, t_end)
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         lengths: list[int] = []
@@ -440,8 +364,10 @@ class Trainer:
         times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
                              [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
         idle_scalars, timeline = self.acct.rollout(t0, times)
-        roll_scalars, roll_series = merge_rollout_metrics([r["metrics"] for r in results],
-                                                          [r["gen_start"] - t0 for r in results])
+        rollout = RolloutMetrics.merge([RolloutMetrics.from_dict(r["metrics"]) for r in results],
+                                       [r["gen_start"] - t0 for r in results])
+        roll_scalars, roll_series = rollout.scalars(), rollout.series()
+        roll_series.pop("rollout/lengths")  # the step's own list below: in sample order
         scalars: dict[str, float] = {}
         scalars["reward/mean"] = float(np.mean(rewards)) if rewards else 0.0
         scalars["reward/accuracy"] = float(np.mean([r > 0.5 for r in rewards])) if rewards else 0.0
@@ -449,8 +375,7 @@ class Trainer:
         scalars.update(roll_scalars)
         scalars.update(learner_metrics)
         scalars.update(idle_scalars)
-        scalars.update({"drafter/loss": 0.0, "drafter/accuracy": 0.0})
-        scalars.update(drafter_stats)  # the coordinator's drafter/steps counts whole updates only
+        scalars.update(drafter_stats)  # loss/accuracy only when an update was applied: no fake zeros
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
         scalars.update(self.acct.timings())
