@@ -76,8 +76,11 @@ def tiny_model_key(cfg: TLTConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def prepare_policy_folder(cfg: TLTConfig) -> Path:
-    """A Hugging Face folder with the starting policy (built and cached on first use)."""
+def prepare_policy_folder(cfg: TLTConfig, on_sft_step: Callable[[int, float], None] | None = None) -> Path:
+    """A Hugging Face folder with the starting policy (built and cached on first use).
+
+    `on_sft_step(step, loss)` is called after every SFT step when the tiny policy is trained here.
+    """
     source = cfg.model.source
     if source == "hf":
         folder = Path(cfg.model.path)
@@ -96,7 +99,7 @@ def prepare_policy_folder(cfg: TLTConfig) -> Path:
 
     log.info("training the tiny policy (%d SFT steps) into %s", cfg.model.sft_steps, folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed)
+    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed, on_progress=on_sft_step)
     try:
         tmp.rename(folder)
     except OSError:  # another process got there first: theirs is as good as ours
@@ -270,7 +273,11 @@ class Trainer:
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
         t = time.perf_counter()
-        self.policy_folder = prepare_policy_folder(cfg)
+        sft_total = cfg.model.sft_steps if cfg.model.source == "tiny" else 1  # progress: SFT steps, or one load
+        self.tracking.progress("policy", 0, sft_total, "preparing the policy")
+        self.policy_folder = prepare_policy_folder(cfg, on_sft_step=lambda s, loss: self.tracking.progress(
+            "policy", s, sft_total, f"SFT step {s}/{sft_total}, loss {loss:.3f}"))
+        self.tracking.progress("policy", sft_total, sft_total, "policy ready")
         self.setup_s["policy"] = time.perf_counter() - t
         self.task = make_run_task(cfg, self.policy_folder)
         dtype = getattr(torch, cfg.model.dtype)
@@ -289,12 +296,19 @@ class Trainer:
         resumed = self.resume and self._load_latest()
         t = time.perf_counter()
         if not resumed and self.tlt and cfg.drafter.warmup_steps > 0:
+            warm = cfg.drafter.warmup_steps
+            self.tracking.progress("drafter_warmup", 0, warm, "answering warm-up prompts, then training the drafter")
             self._warmup_drafter()
+            self.tracking.progress("drafter_warmup", warm, warm, "drafter ready")
         self.setup_s["drafter_warmup"] = time.perf_counter() - t
         self.drafter_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
         t = time.perf_counter()
+        W = cfg.rollout.num_workers
+        self.tracking.progress("actors", 0, W, f"starting {W} rollout workers")
         self._start_actors()
+        self.tracking.progress("actors", W, W, "rollout workers ready")
         self.setup_s["actors"] = time.perf_counter() - t
+        self.tracking.progress("rl", self.step, cfg.run.steps, f"step {self.step}/{cfg.run.steps}")
 
     def _warmup_drafter(self) -> None:
         """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only)."""
@@ -499,6 +513,7 @@ class Trainer:
         series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series}
 
         self.tracking.log(step, scalars, series)
+        self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
         interval = cfg.run.checkpoint_interval
         if (interval and step % interval == 0) or step == cfg.run.steps:
             self.save_checkpoint()
