@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -194,7 +195,8 @@ class MlflowSink:
                           tags={"tlt.run_id": "..."}, params={"rollout.num_workers": 2})
 
     `tracking_uri` is anything MLflow's client takes (an http(s) tracking server, a file store
-    `file:///...`, a database store `sqlite:///...` when SQLAlchemy and Alembic are installed). Scalars
+    `file:///...` (MLflow >= 3 wants MLFLOW_ALLOW_FILE_STORE=true for it, set here unless already
+    set), a database store `sqlite:///...` when SQLAlchemy and Alembic are installed). Scalars
     become MLflow metrics at the same step (null and NaN left out); series are not mirrored; progress
     goes to the tag `tlt.phase`; artifacts are noted as tags `tlt.artifact.<kind>` and, with
     `upload_artifacts`, also copied into the MLflow run. close() ends the MLflow run as FINISHED.
@@ -205,11 +207,18 @@ class MlflowSink:
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str = "", tags: dict[str, str] | None = None,
                  params: dict[str, Any] | None = None, upload_artifacts: bool = False):
+        if "://" not in tracking_uri or tracking_uri.startswith("file:"):
+            # MLflow >= 3 keeps its file store only on request; a configured file: URI is that request
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient  # local: only runs that mirror to MLflow need it
 
         self._client = MlflowClient(tracking_uri=tracking_uri)
         self.upload_artifacts = upload_artifacts
+        # MLflow looks experiments up with a filter string that quotes names naively: "Alice's lab"
+        # breaks it (file store), so straight quotes become typographic ones.
+        experiment = experiment.replace("'", "\u2019").replace('"', "\u201d")
+        self.experiment = experiment
         found = self._client.get_experiment_by_name(experiment)
         if found is None:
             try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pydantic
 from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -93,12 +92,6 @@ def pydantic_errors(errors: list[dict[str, Any]]) -> dict[str, str]:
 @api.exception_handler(ValidationError)
 def _validation(request: HttpRequest, exc: ValidationError) -> HttpResponse:
     errors = pydantic_errors(exc.errors)
-    return error(request, 400, "invalid request: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), errors)
-
-
-@api.exception_handler(pydantic.ValidationError)
-def _pydantic(request: HttpRequest, exc: pydantic.ValidationError) -> HttpResponse:
-    errors = pydantic_errors(exc.errors())
     return error(request, 400, "invalid request: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), errors)
 
 

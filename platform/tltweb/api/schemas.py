@@ -19,9 +19,16 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _example(**example: Any) -> ConfigDict:
+    """A body's example: shown in /api/docs and sent by the tests generated from the document."""
+    return ConfigDict(extra="forbid", json_schema_extra={"examples": [example]})
+
+
 # ---- user API: requests ----
 
 class LaunchBody(_Body):
+    model_config = _example(preset="tiny-cpu", name="tiny run from the API", tags=["api"])
+
     team: int | None = Field(None, description="Team id; defaults to the user's only editable team.")
     name: str = Field("", max_length=200)
     preset: str = Field("", max_length=50)
@@ -31,6 +38,8 @@ class LaunchBody(_Body):
 
 
 class RunPatchBody(_Body):
+    model_config = _example(name="renamed run", tags=["baseline", "v2"], notes="what changed")
+
     name: str | None = Field(None, max_length=200, description="New name; must not be blank.")
     tags: list[str] | None = Field(None, max_length=20)
     notes: str | None = Field(None, max_length=20_000)
@@ -44,6 +53,8 @@ class RunPatchBody(_Body):
 
 
 class TeamCreateBody(_Body):
+    model_config = _example(name="Reasoning lab")
+
     name: str = Field(min_length=1, max_length=100)
 
     @field_validator("name")
@@ -55,6 +66,8 @@ class TeamCreateBody(_Body):
 
 
 class MemberBody(_Body):
+    model_config = _example(username="charlie", role="viewer")
+
     username: str = Field(min_length=1, max_length=150, description="An existing user's username.")
     role: Literal["viewer", "editor", "owner"] = "viewer"
 
@@ -96,6 +109,13 @@ _SAMPLES = TypeAdapter(list[RolloutSampleIn])
 
 
 class MetricsBody(_Body):
+    model_config = _example(
+        step=1, scalars={"reward/mean": 0.42, "spec/acceptance_length": 3.1},
+        series={"rollout/lengths": [12, 40, 190], SAMPLES_KEY: [{
+            "sample": 0, "prompt": "3 + 4 = ?", "tokens": [" 7", "</s>"], "from_draft": [1, 0], "reward": 1.0,
+            "length": 2, "truncated": False}]},
+    )
+
     step: int = Field(ge=0, le=10_000_000)
     scalars: dict[str, float | None] = Field(default_factory=dict)
     series: dict[str, Any] = Field(
@@ -135,6 +155,8 @@ class ArtifactForm(_Body):
 
 class ProgressBody(_Body):
     """The trainer's progress through a phase: setup (policy, drafter_warmup, actors) or rl."""
+
+    model_config = _example(phase="policy", done=120, total=300, message="SFT step 120/300")
 
     phase: str = Field(pattern=r"^[a-z][a-z0-9_]{0,29}$", description="policy | drafter_warmup | actors | rl")
     done: int = Field(ge=0, le=1_000_000_000)
@@ -242,6 +264,8 @@ class ArtifactListOut(BaseModel):
 
 
 class SampleOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
     sample: int
     prompt: str
     tokens: list[str]

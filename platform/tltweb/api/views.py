@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.urls import reverse
 from ninja import Query, Router, Status
+from ninja.errors import ValidationError as NinjaValidationError
+import pydantic
 
 from tltweb.accounts import selectors as team_selectors, services as team_services
 from tltweb.api.api import api
@@ -47,6 +49,13 @@ from tltweb.runs.uploads import HashedUpload, HashingUploadHandler
 
 E = ErrorOut
 USER_ERRORS = {400: E, 401: E, 403: E, 404: E}
+
+
+def access(level: str, **extra: Any) -> dict[str, Any]:
+    """openapi_extra saying who may call an operation (`x-tlt-access`, read by the docs and by the
+    tests generated from /api/openapi.json): view | edit | own (a role in the path's run or team),
+    signed-in (any user), editor-somewhere (editor or owner in some team), run-token (ingestion)."""
+    return {"x-tlt-access": level, **extra}
 SortKey = Literal[tuple(k for key in selectors.RUN_SORTS for k in (key, f"-{key}"))]  # type: ignore[valid-type]
 
 
@@ -113,7 +122,8 @@ def metrics_out(run: Run, *, since: int) -> dict[str, Any]:
 runs = Router(auth=USER_AUTH, tags=["runs"])
 
 
-@runs.get("/runs", response={200: RunListOut, 400: E, 401: E}, url_name="api-runs", summary="Runs of your teams")
+@runs.get("/runs", response={200: RunListOut, 400: E, 401: E}, url_name="api-runs", summary="Runs of your teams",
+          openapi_extra=access("signed-in"))
 def run_list(
     request: HttpRequest,
     state: str = Query("", description="queued | running | succeeded | failed | cancelled"),
@@ -132,7 +142,8 @@ def run_list(
     return {"runs": [run_out(r) for r in qs[:limit]]}
 
 
-@runs.post("/runs", response={201: RunDetailOut, **USER_ERRORS}, url_name="api-runs-launch", summary="Launch a run")
+@runs.post("/runs", response={201: RunDetailOut, **USER_ERRORS}, url_name="api-runs-launch", summary="Launch a run",
+           openapi_extra=access("editor-somewhere"))
 def run_launch(request: HttpRequest, body: LaunchBody):
     """Launch in a team where you are editor or owner (`team` may be left out when there is one)."""
     team = _launch_team(request.auth, body.team)
@@ -148,20 +159,24 @@ def _launch_team(user: User, team_id: int | None):
         team, _ = team_selectors.team_get_for_user(user=user, team_id=team_id, need="edit")
         return team
     teams = team_selectors.team_list_for_user(user=user, need="edit")
+    if not teams:
+        raise PermissionDenied("you need editor access to a team to launch runs")
     if len(teams) != 1:
         raise ValidationError({"team": f"say which team: you can launch in {len(teams)} teams"})
     return teams[0]
 
 
 @runs.get("/runs/{uuid:run_id}", response={200: RunDetailOut, **USER_ERRORS}, url_name="api-run",
-          summary="A run with its config, progress, error and log tail")
+          summary="A run with its config, progress, error and log tail",
+          openapi_extra=access("view"))
 def run_detail(request: HttpRequest, run_id: uuid.UUID):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
     return run_out(run, full=True)
 
 
 @runs.patch("/runs/{uuid:run_id}", response={200: RunDetailOut, **USER_ERRORS}, url_name="api-run-patch",
-            summary="Edit name, tags, notes (editor)")
+            summary="Edit name, tags, notes (editor)",
+            openapi_extra=access("edit"))
 def run_patch(request: HttpRequest, run_id: uuid.UUID, body: RunPatchBody):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="edit")
     run = services.run_update(run=run, name=body.name, tags=body.tags, notes=body.notes)
@@ -169,7 +184,8 @@ def run_patch(request: HttpRequest, run_id: uuid.UUID, body: RunPatchBody):
 
 
 @runs.post("/runs/{uuid:run_id}/cancel", response={200: RunDetailOut, 409: E, **USER_ERRORS},
-           url_name="api-run-cancel", summary="Cancel a queued or running run (editor; checkpoints kept)")
+           url_name="api-run-cancel", summary="Cancel a queued or running run (editor; checkpoints kept)",
+           openapi_extra=access("edit"))
 def run_cancel(request: HttpRequest, run_id: uuid.UUID):
     """409 when the run has already ended."""
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="edit")
@@ -177,21 +193,24 @@ def run_cancel(request: HttpRequest, run_id: uuid.UUID):
 
 
 @runs.post("/runs/{uuid:run_id}/clone", response={201: RunDetailOut, **USER_ERRORS}, url_name="api-run-clone",
-           summary="Launch a copy (editor)")
+           summary="Launch a copy (editor)",
+           openapi_extra=access("edit"))
 def run_clone(request: HttpRequest, run_id: uuid.UUID):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="edit")
     return Status(201, run_out(services.run_clone(user=request.auth, run=run), full=True))
 
 
 @runs.get("/runs/{uuid:run_id}/metrics", response={200: MetricsOut, **USER_ERRORS}, url_name="api-run-metrics",
-          summary="Scalars of the steps after `since`, the run's state and progress")
+          summary="Scalars of the steps after `since`, the run's state and progress",
+          openapi_extra=access("view"))
 def run_metrics(request: HttpRequest, run_id: uuid.UUID, since: int = Query(-1, ge=-1, le=10_000_000)):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
     return metrics_out(run, since=since)
 
 
 @runs.get("/runs/{uuid:run_id}/metrics/{int:step}", response={200: StepRecordOut, **USER_ERRORS},
-          url_name="api-run-metrics-step", summary="One step's record with its series")
+          url_name="api-run-metrics-step", summary="One step's record with its series",
+          openapi_extra=access("view"))
 def run_metrics_step(request: HttpRequest, run_id: uuid.UUID, step: int):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
     row = selectors.metrics_series(run=run, step=step)
@@ -201,7 +220,8 @@ def run_metrics_step(request: HttpRequest, run_id: uuid.UUID, step: int):
 
 
 @runs.get("/runs/{uuid:run_id}/samples", response={200: SamplesOut, **USER_ERRORS}, url_name="api-run-samples",
-          summary="A step's stored responses, filtered by reward and length")
+          summary="A step's stored responses, filtered by reward and length",
+          openapi_extra=access("view"))
 def run_samples(
     request: HttpRequest,
     run_id: uuid.UUID,
@@ -227,14 +247,15 @@ _BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string",
 
 @runs.get("/runs/{uuid:run_id}/log", response=USER_ERRORS, url_name="api-run-log",
           summary="The job's whole log, cleaned (no ANSI codes, tqdm bars collapsed)",
-          openapi_extra={"responses": {200: {"description": "the log (text/plain attachment)", **_TEXT}}})
+          openapi_extra=access("view", responses={200: {"description": "the log (text/plain attachment)", **_TEXT}}))
 def run_log(request: HttpRequest, run_id: uuid.UUID):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
     return downloads.log_response(run)
 
 
 @runs.get("/runs/{uuid:run_id}/artifacts", response={200: ArtifactListOut, **USER_ERRORS},
-          url_name="api-run-artifacts", summary="The run's artifacts (drafter, policy)")
+          url_name="api-run-artifacts", summary="The run's artifacts (drafter, policy)",
+          openapi_extra=access("view"))
 def run_artifacts(request: HttpRequest, run_id: uuid.UUID):
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
     return {"artifacts": [artifact_out(a) for a in selectors.artifact_list(run=run)]}
@@ -242,7 +263,7 @@ def run_artifacts(request: HttpRequest, run_id: uuid.UUID):
 
 @runs.get("/runs/{uuid:run_id}/artifacts/{int:artifact_id}/file", response=USER_ERRORS,
           url_name="api-artifact-download", summary="Download an artifact (streamed; X-Checksum-SHA256)",
-          openapi_extra={"responses": {200: {"description": "the file", **_BINARY}}})
+          openapi_extra=access("view", responses={200: {"description": "the file", **_BINARY}}))
 def artifact_download(request: HttpRequest, run_id: uuid.UUID, artifact_id: int) -> HttpResponse:
     artifact = selectors.artifact_get_for_user(user=request.auth, run_id=run_id, artifact_id=artifact_id)
     return downloads.artifact_response(artifact)
@@ -253,21 +274,24 @@ def artifact_download(request: HttpRequest, run_id: uuid.UUID, artifact_id: int)
 teams = Router(auth=USER_AUTH, tags=["teams"])
 
 
-@teams.get("/teams", response={200: TeamListOut, 401: E}, url_name="api-teams", summary="Your teams and your role")
+@teams.get("/teams", response={200: TeamListOut, 401: E}, url_name="api-teams", summary="Your teams and your role",
+           openapi_extra=access("signed-in"))
 def team_list(request: HttpRequest):
     members = team_selectors.member_list_for_user(user=request.auth)
     return {"teams": [{"id": m.team_id, "name": m.team.name, "role": m.role} for m in members]}
 
 
 @teams.post("/teams", response={201: TeamOut, 400: E, 401: E}, url_name="api-teams-create",
-            summary="Create a team (you become its owner)")
+            summary="Create a team (you become its owner)",
+            openapi_extra=access("signed-in"))
 def team_create(request: HttpRequest, body: TeamCreateBody):
     team = team_services.team_create(name=body.name, owner=request.auth)
     return Status(201, {"id": team.pk, "name": team.name, "role": "owner"})
 
 
 @teams.put("/teams/{int:team_id}/members", response={200: MemberOut, **USER_ERRORS}, url_name="api-team-members",
-           summary="Invite a user by username, or change a member's role (owner)")
+           summary="Invite a user by username, or change a member's role (owner)",
+           openapi_extra=access("own"))
 def team_member_put(request: HttpRequest, team_id: int, body: MemberBody):
     team, _ = team_selectors.team_get_for_user(user=request.auth, team_id=team_id, need="own")
     member = team_services.team_member_add(team=team, actor=request.auth, username=body.username, role=body.role)
@@ -281,14 +305,16 @@ INGEST_ERRORS = {400: E, 401: E, 403: E}
 
 
 @ingest.post("/ingest/runs/{uuid:run_id}/metrics", response={200: IngestOut, **INGEST_ERRORS},
-             url_name="ingest-metrics", summary="Upsert one step's record (idempotent per step)")
+             url_name="ingest-metrics", summary="Upsert one step's record (idempotent per step)",
+             openapi_extra=access("run-token"))
 def ingest_metrics(request: HttpRequest, run_id: uuid.UUID, body: MetricsBody):
     services.metrics_record(run=request.auth, step=body.step, scalars=body.scalars, series=body.series)
     return {"ok": True, "step": body.step}
 
 
 @ingest.post("/ingest/runs/{uuid:run_id}/progress", response={200: ProgressIngestOut, **INGEST_ERRORS},
-             url_name="ingest-progress", summary="The trainer's progress through a phase (the page derives an ETA)")
+             url_name="ingest-progress", summary="The trainer's progress through a phase (the page derives an ETA)",
+             openapi_extra=access("run-token"))
 def ingest_progress(request: HttpRequest, run_id: uuid.UUID, body: ProgressBody):
     run = request.auth
     services.run_progress_record(run=run, phase=body.phase, done=body.done, total=body.total, message=body.message)
@@ -317,14 +343,17 @@ _MULTIPART = {
 
 @ingest.post("/ingest/runs/{uuid:run_id}/artifacts", response={201: ArtifactOut, **INGEST_ERRORS},
              url_name="ingest-artifacts", summary="Upload an artifact (multipart: kind, step, file)",
-             openapi_extra=_MULTIPART)
+             openapi_extra=access("run-token", **_MULTIPART))
 def ingest_artifacts(request: HttpRequest, run_id: uuid.UUID):
     """The token is checked before a byte of the body is read; the file streams to disk, hashed."""
     run = request.auth
     request.upload_handlers = [HashingUploadHandler(services.artifact_folder(run), settings.TLT_MAX_ARTIFACT_BYTES, request)]
     uploads = request.FILES.getlist("file")
     try:
-        form = ArtifactForm.model_validate({"kind": request.POST.get("kind", ""), "step": request.POST.get("step", "")})
+        try:
+            form = ArtifactForm.model_validate({"kind": request.POST.get("kind", ""), "step": request.POST.get("step", "")})
+        except pydantic.ValidationError as exc:  # a bad form field: 400 naming it, like a bad JSON body
+            raise NinjaValidationError([{**e, "loc": ("form", *e["loc"])} for e in exc.errors()]) from None
         if len(uploads) != 1:
             raise ValidationError({"file": "send exactly one multipart field 'file'"})
         artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0])

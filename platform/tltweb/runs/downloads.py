@@ -13,7 +13,8 @@ def artifact_response(artifact: Artifact) -> FileResponse:
     path = services.artifact_path(artifact)
     if not path.exists():
         raise Http404("artifact file is missing")
-    response = FileResponse(path.open("rb"), as_attachment=True, filename=artifact.filename)
+    response = FileResponse(path.open("rb"), as_attachment=True, filename=artifact.filename,
+                            content_type="application/octet-stream")
     response["X-Checksum-SHA256"] = artifact.sha256
     return response
 
