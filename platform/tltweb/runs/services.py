@@ -216,6 +216,7 @@ def run_mlflow_env(run: Run) -> dict[str, str]:
         "TLT_RUN_NAME": run.name,
         "TLT_RUN_ID": str(run.id),
         "TLT_RUN_TEAM": run.team.name,
+        "TLT_MLFLOW_ARTIFACTS": "1" if settings.TLT_MLFLOW_ARTIFACTS else "0",
     }
 
 
