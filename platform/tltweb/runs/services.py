@@ -10,6 +10,7 @@ import logging
 import secrets
 import shutil
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -339,7 +340,7 @@ def run_progress_record(*, run: Run, phase: str, done: int, total: int, message:
             began_at, began_done = prev["began_at"], int(prev.get("began_done", 0))
         else:
             if prev.get("phase") and prev.get("phase") != phase:
-                seconds = (now - _parse_time(prev["began_at"])).total_seconds()
+                seconds = (now - datetime.fromisoformat(prev["began_at"])).total_seconds()
                 history = [h for h in history if h["phase"] != prev["phase"]]
                 history.append({"phase": prev["phase"], "seconds": round(seconds, 1)})
             began_at, began_done = now.isoformat(), done
@@ -355,12 +356,6 @@ def run_progress_record(*, run: Run, phase: str, done: int, total: int, message:
         locked.save(update_fields=fields)
     run.progress = locked.progress
     return locked.progress
-
-
-def _parse_time(value: str):
-    from datetime import datetime
-
-    return datetime.fromisoformat(value)
 
 
 def run_log_path(run: Run) -> Path:
