@@ -103,7 +103,7 @@ def test_a_bad_token_wins_over_a_valid_session(client, run, alice):
     assert client.get(reverse("api-run", args=[run.id]), HTTP_AUTHORIZATION="Bearer tlt_nope").status_code == 401
 
 
-def test_the_root_of_the_api_leads_to_its_docs(client):
+def test_the_root_of_the_api_leads_to_its_docs(client):  # which ask for a login
     resp = client.get("/api/")
     assert resp.status_code == 302 and resp.url == "/api/docs"
 

@@ -127,7 +127,13 @@ def test_every_ingestion_operation_takes_the_runs_own_token(client, world, run_t
     assert resp.status_code in (200, 201), resp.content[:300]
 
 
-def test_the_docs_page_serves_the_vendored_swagger_ui_and_no_cdn(client):
+def test_the_docs_page_is_for_signed_in_users(client):
+    resp = client.get("/api/docs")
+    assert resp.status_code == 302 and resp.url.startswith("/login/")
+
+
+def test_the_docs_page_serves_the_vendored_swagger_ui_and_no_cdn(client, alice):
+    client.force_login(alice)
     resp = client.get("/api/docs")
     html = resp.content.decode()
     assert resp.status_code == 200 and "vendor/swagger-ui/swagger-ui-bundle.js" in html

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -41,9 +42,14 @@ class JsonParser(Parser):
 
 
 class VendoredSwagger(DocsBase):
-    """Swagger UI from static/vendor/swagger-ui (no CDN), page script static/js/api_docs.js."""
+    """Swagger UI from static/vendor/swagger-ui (no CDN), page script static/js/api_docs.js.
+
+    The page is for signed-in people, like every page; the schema itself (/api/openapi.json)
+    stays public, as before, for API clients and generators."""
 
     def render_page(self, request: HttpRequest, api: NinjaAPI, **kwargs: Any) -> HttpResponse:
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path())
         return render(request, "api/docs.html", {"openapi_url": reverse("openapi-json")})
 
 
