@@ -48,6 +48,7 @@ from .config import TLTConfig
 from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
+from .sft import reporting_sft_steps
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,8 @@ def tiny_model_key(cfg: TLTConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def prepare_policy_folder(cfg: TLTConfig, on_sft_step: Callable[[int, float], None] | None = None) -> Path:
-    """A Hugging Face folder with the starting policy (built and cached on first use).
-
-    `on_sft_step(step, loss)` is called after every SFT step when the tiny policy is trained here.
-    """
+def prepare_policy_folder(cfg: TLTConfig) -> Path:
+    """A Hugging Face folder with the starting policy (built and cached on first use)."""
     source = cfg.model.source
     if source == "hf":
         folder = Path(cfg.model.path)
@@ -99,7 +97,7 @@ def prepare_policy_folder(cfg: TLTConfig, on_sft_step: Callable[[int, float], No
 
     log.info("training the tiny policy (%d SFT steps) into %s", cfg.model.sft_steps, folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed, on_progress=on_sft_step)
+    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed)
     try:
         tmp.rename(folder)
     except OSError:  # another process got there first: theirs is as good as ours
@@ -275,8 +273,9 @@ class Trainer:
         t = time.perf_counter()
         sft_total = cfg.model.sft_steps if cfg.model.source == "tiny" else 1  # progress: SFT steps, or one load
         self.tracking.progress("policy", 0, sft_total, "preparing the policy")
-        self.policy_folder = prepare_policy_folder(cfg, on_sft_step=lambda s, loss: self.tracking.progress(
-            "policy", s, sft_total, f"SFT step {s}/{sft_total}, loss {loss:.3f}"))
+        with reporting_sft_steps(lambda s, n, loss: self.tracking.progress(
+                "policy", s, n, f"SFT step {s}/{n}, loss {loss:.3f}")):  # only when not cached
+            self.policy_folder = prepare_policy_folder(cfg)
         self.tracking.progress("policy", sft_total, sft_total, "policy ready")
         self.setup_s["policy"] = time.perf_counter() - t
         self.task = make_run_task(cfg, self.policy_folder)
