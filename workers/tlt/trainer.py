@@ -48,7 +48,6 @@ from .config import TLTConfig
 from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
-from .sft import reporting_sft_steps
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +268,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         if self.device == "cpu":
             torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+        from .sft import reporting_sft_steps
 
         t = time.perf_counter()
         sft_total = cfg.model.sft_steps if cfg.model.source == "tiny" else 1  # progress: SFT steps, or one load
