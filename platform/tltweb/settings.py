@@ -7,7 +7,8 @@ is required and the HTTPS settings below apply.
 
 Variables: DEBUG, SECRET_KEY, ALLOWED_HOSTS, CSRF_TRUSTED_ORIGINS, DATABASE_URL,
 CELERY_BROKER_URL, CELERY_FS_DIR, RAY_ADDRESS, TLT_PUBLIC_URL, TLT_ARTIFACT_DIR, TLT_RUNS_DIR,
-TLT_JOB_PYTHON, TLT_JOB_WORKDIR, TLT_SYNC_INTERVAL_S, TLT_VAR_DIR, SECURE_SSL_REDIRECT,
+TLT_JOB_PYTHON, TLT_JOB_WORKDIR, TLT_SYNC_INTERVAL_S, TLT_VAR_DIR, TLT_MLFLOW_TRACKING_URI,
+TLT_MLFLOW_EXPERIMENT, TLT_MLFLOW_ARTIFACTS, SECURE_SSL_REDIRECT,
 SECURE_HSTS_SECONDS, SESSION_COOKIE_SECURE, CSRF_COOKIE_SECURE, SERVE_STATIC.
 """
 
@@ -83,6 +84,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "tltweb.accounts.context_processors.permissions",
             ],
         },
     },
@@ -155,6 +157,11 @@ TLT_JOB_PYTHON = env_str("TLT_JOB_PYTHON", sys.executable)
 TLT_JOB_WORKDIR = env_str("TLT_JOB_WORKDIR", str(BASE_DIR))
 TLT_MAX_ARTIFACT_BYTES = env_int("TLT_MAX_ARTIFACT_BYTES", 20 * 1024**3, minimum=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 50 * 1024**2, minimum=1024)
+# Optional MLflow mirror of every run's metrics (workers.tlt.metrics.MlflowSink), e.g.
+# http://mlflow.internal:5000 or file:///shared/mlruns, as the Ray jobs reach it; empty: off.
+TLT_MLFLOW_TRACKING_URI = env_str("TLT_MLFLOW_TRACKING_URI", "")
+TLT_MLFLOW_EXPERIMENT = env_str("TLT_MLFLOW_EXPERIMENT", "")  # empty: the run's team name
+TLT_MLFLOW_ARTIFACTS = env_bool("TLT_MLFLOW_ARTIFACTS", False)  # also copy drafter/policy zips to MLflow
 
 LOGGING = {
     "version": 1,

@@ -206,6 +206,22 @@ def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
         ray.kill(coord)
 
 
+def test_the_trainer_reports_its_progress_through_every_phase(tlt_run):
+    """Tracking.progress: policy (SFT or cached), drafter warm-up, actors, then every RL step;
+    each phase's first and last update always get through the throttle."""
+    out, _ = tlt_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    progress = [r["progress"] for r in records if "progress" in r]
+    phases = [p["phase"] for p in progress]
+    assert phases[0] == "policy" and [p for i, p in enumerate(phases) if p != phases[i - 1] or i == 0] == [
+        "policy", "drafter_warmup", "actors", "rl"]
+    by_phase = {ph: [(p["done"], p["total"]) for p in progress if p["phase"] == ph] for ph in set(phases)}
+    assert by_phase["policy"][0] == (0, 150) and by_phase["policy"][-1] == (150, 150)
+    assert by_phase["drafter_warmup"] == [(0, 10), (10, 10)]
+    assert by_phase["actors"] == [(0, 2), (2, 2)]
+    assert by_phase["rl"][0] == (0, STEPS) and by_phase["rl"][-1] == (STEPS, STEPS)
+
+
 def test_the_entry_point_rejects_a_bad_config_with_exit_code_2(tmp_path, capsys, monkeypatch):
     from workers.tlt.train import main
 

@@ -22,8 +22,10 @@ import logging
 import math
 import random
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,21 @@ from .model import ModelConfig, Transformer, init_weights
 log = logging.getLogger(__name__)
 
 Example = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, response_ids ending in EOS)
+
+# Who hears of every SFT step besides sft()'s own on_progress: set for a block by
+# reporting_sft_steps, so a caller several calls up (the trainer's setup progress, through the
+# policy-folder cache) needs no callback threaded through the functions in between.
+_step_reporter: ContextVar[Callable[[int, int, float], None] | None] = ContextVar("sft_step_reporter", default=None)
+
+
+@contextmanager
+def reporting_sft_steps(report: Callable[[int, int, float], None]) -> Iterator[None]:
+    """Within the block, every sft() step calls report(step, steps, loss)."""
+    token = _step_reporter.set(report)
+    try:
+        yield
+    finally:
+        _step_reporter.reset(token)
 
 
 def build_tiny_model(cfg: ModelSection, vocab_size: int, bos_id: int | None, eos_id: int | None,
@@ -128,6 +145,7 @@ def sft(model: Transformer, examples: Sequence[Example], steps: int, lr: float =
 
     model.train()
     losses: list[float] = []
+    report = _step_reporter.get()
     for s in range(steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         n_tokens = sum(len(r) for _, r in batch)
@@ -145,6 +163,8 @@ def sft(model: Transformer, examples: Sequence[Example], steps: int, lr: float =
         losses.append(total)
         if on_progress is not None:
             on_progress(s + 1, losses[-1])
+        if report is not None:
+            report(s + 1, steps, losses[-1])
     model.eval()
     return losses
 

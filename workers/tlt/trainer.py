@@ -152,8 +152,15 @@ class Trainer:
         if self.device == "cpu":
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
+        from .sft import reporting_sft_steps
+
         t = time.perf_counter()
-        self.policy_folder = prepare_policy_folder(cfg)
+        sft_total = cfg.model.sft_steps if cfg.model.source == "tiny" else 1  # progress: SFT steps, or one load
+        self.tracking.progress("policy", 0, sft_total, "preparing the policy")
+        with reporting_sft_steps(lambda s, n, loss: self.tracking.progress(
+                "policy", s, n, f"SFT step {s}/{n}, loss {loss:.3f}")):  # only when not cached
+            self.policy_folder = prepare_policy_folder(cfg)
+        self.tracking.progress("policy", sft_total, sft_total, "policy ready")
         self.setup_s["policy"] = time.perf_counter() - t
         self.task = make_run_task(cfg, self.policy_folder)
         dtype = getattr(torch, cfg.model.dtype)
@@ -172,12 +179,19 @@ class Trainer:
         resumed = self.resume and self._load_latest()
         t = time.perf_counter()
         if not resumed and self.tlt and cfg.drafter.warmup_steps > 0:
+            warm = cfg.drafter.warmup_steps
+            self.tracking.progress("drafter_warmup", 0, warm, "answering warm-up prompts, then training the drafter")
             self._warmup_drafter()
+            self.tracking.progress("drafter_warmup", warm, warm, "drafter ready")
         self.setup_s["drafter_warmup"] = time.perf_counter() - t
         self.drafter_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
         t = time.perf_counter()
+        W = cfg.rollout.num_workers
+        self.tracking.progress("actors", 0, W, f"starting {W} rollout workers")
         self._start_actors()
+        self.tracking.progress("actors", W, W, "rollout workers ready")
         self.setup_s["actors"] = time.perf_counter() - t
+        self.tracking.progress("rl", self.step, cfg.run.steps, f"step {self.step}/{cfg.run.steps}")
 
     def _warmup_drafter(self) -> None:
         """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only;
@@ -385,6 +399,7 @@ class Trainer:
                                                   seed=cfg.run.seed)}
 
         self.tracking.log(step, scalars, series)
+        self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
         interval = cfg.run.checkpoint_interval
         if (interval and step % interval == 0) or step == cfg.run.steps:
             self.save_checkpoint()
