@@ -217,7 +217,8 @@ def test_the_trainer_reports_its_progress_through_every_phase(tlt_run):
         "policy", "drafter_warmup", "actors", "rl"]
     by_phase = {ph: [(p["done"], p["total"]) for p in progress if p["phase"] == ph] for ph in set(phases)}
     assert by_phase["policy"][0] == (0, 150) and by_phase["policy"][-1] == (150, 150)
-    assert by_phase["drafter_warmup"] == [(0, 10), (10, 10)]
+    warm = tiny_cfg().drafter.warmup_prompts + tiny_cfg().drafter.warmup_steps  # answers, then steps
+    assert by_phase["drafter_warmup"][0] == (0, warm) and by_phase["drafter_warmup"][-1] == (warm, warm)
     assert by_phase["actors"] == [(0, 2), (2, 2)]
     assert by_phase["rl"][0] == (0, STEPS) and by_phase["rl"][-1] == (STEPS, STEPS)
 

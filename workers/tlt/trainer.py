@@ -179,10 +179,7 @@ class Trainer:
         resumed = self.resume and self._load_latest()
         t = time.perf_counter()
         if not resumed and self.tlt and cfg.drafter.warmup_steps > 0:
-            warm = cfg.drafter.warmup_steps
-            self.tracking.progress("drafter_warmup", 0, warm, "answering warm-up prompts, then training the drafter")
             self._warmup_drafter()
-            self.tracking.progress("drafter_warmup", warm, warm, "drafter ready")
         self.setup_s["drafter_warmup"] = time.perf_counter() - t
         self.drafter_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
         t = time.perf_counter()
@@ -199,9 +196,19 @@ class Trainer:
         from .drafter_warmup import warmup_drafter, weights_digest
 
         cfg = self.cfg
+        prompts, steps = cfg.drafter.warmup_prompts, cfg.drafter.warmup_steps
+        total = prompts + steps  # progress: the policy's answers first, then the optimizer steps
+
+        def report(done: int, of: int, what: str) -> None:
+            at = done if what == "answers" else prompts + done
+            self.tracking.progress("drafter_warmup", at, total, f"{what} {done}/{of}")
+
+        report(0, prompts, "answers")
         drafter, info = warmup_drafter(self.policy, self.task, cfg.drafter, sampling=sampling_params(cfg.rollout),
                                        policy_key=weights_digest(self.policy_folder),
-                                       max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
+                                       max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
+                                       on_progress=report)
+        self.tracking.progress("drafter_warmup", total, total, "drafter ready" + (" (cached)" if info["cached"] else ""))
         self.drafter.load_state_dict(drafter.state_dict())
         self.drafter.eval()
         self.warmup_info = info
