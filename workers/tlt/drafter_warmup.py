@@ -111,7 +111,8 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
     data_spec = {"policy": policy_key, "task": getattr(task, "name", type(task).__name__),
                  "task_options": {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool))},
                  "prompts": cfg.warmup_prompts, "seed": seed, "max_new_tokens": cap,
-                 "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "dtype": str(policy.dtype)}
+                 "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "dtype": str(policy.dtype),
+                 "gen_batch": GEN_BATCH}  # the batch decides each answer's sampling key
     train_spec = {**data_spec, "steps": cfg.warmup_steps, "lr": cfg.warmup_lr, "batch_tokens": cfg.warmup_batch_tokens,
                   "train_vocab": cfg.train_vocab, "hidden_w": cfg.hidden_loss_weight, "token_w": cfg.token_loss_weight,
                   "unroll": cfg.unroll, "recipe": RECIPE_VERSION}
