@@ -258,3 +258,37 @@ def test_a_shared_bandit_keeps_learning_across_rollouts(model, drafters):
                  bandit=bandit, seed=seed)
     tried = bandit.rewards[bandit.bucket(2)]
     assert all(len(r) > 0 for r in tried.values())  # every arm has a reward in the bucket that ran
+
+
+@pytest.fixture(scope="module")
+def real_size():
+    """SmolLM2's layer shapes (2 of its 30 layers, a 4096-token vocabulary) on the packed oneDNN
+    kernels every real model decodes with: decode steps (one row per sequence) and verify passes
+    (several rows) must agree on those kernels too, not only on tiny layers."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3)
+    model = Transformer(cfg)
+    init_weights(model, 0.05)
+    model.eval()
+    drafter = Drafter.for_target(model, seed=1)
+    for m in (model, drafter):
+        for layer in m.modules():
+            if hasattr(layer, "kernel"):
+                layer.kernel = "onednn"
+        m._tlt_tuned = True  # keep the forced kernel: no tuning
+    return model, drafter, OracleDrafter(model, noise=0.3)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("arm,kind", [("d4k1v4", "noisy"), ("d3k2v6", "noisy"), ("d4k1v4", "drafter")])
+def test_sd_on_real_size_layers_and_packed_kernels_emits_the_plain_decoding_tokens(real_size, arm, kind, params):
+    model, drafter, noisy = real_size
+    assert model.model.layers[0].mlp.down_proj.kernel == "onednn"
+    for batch in (1, 3):
+        prompts = _prompts(batch)
+        base = generate(model, prompts, params, max_new_tokens=20, eos_ids=EOS, seed=9)
+        res = generate(model, prompts, params, max_new_tokens=20, eos_ids=EOS, seed=9,
+                       drafter=noisy if kind == "noisy" else drafter, spec=SpecPolicy(arm=arm))
+        assert res.tokens == base.tokens, (arm, kind, batch)
+        assert res.metrics.verify_passes > 0

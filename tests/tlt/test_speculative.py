@@ -10,7 +10,8 @@ import torch
 from workers.tlt.drafter import Drafter
 from workers.tlt.model import ModelConfig, Transformer, causal_mask, init_weights
 from workers.tlt.sampling import SamplingParams, process, sample, sample_keys, token_logprobs, uniforms
-from workers.tlt.speculative import Tree, ancestors, catch_up, chain_tree, draft, ngram_propose, tree_mask, walk
+from workers.tlt.speculative import (Tree, ancestors, catch_up, chain_tree, draft, ngram_propose, tree_from_pool,
+                                     tree_mask, walk)
 
 V = 4
 
@@ -175,3 +176,20 @@ def test_ngram_drafter_continues_the_longest_match_in_own_text_then_siblings():
     tree = chain_tree(torch.tensor([4, 5]), [[1, 2, 3], []], 6)
     assert tree.tokens.tolist() == [[4, 1, 2, 3], [5, 0, 0, 0]]
     assert tree.valid.tolist() == [[True] * 4, [True, False, False, False]]
+
+
+def test_a_kept_node_whose_parent_was_dropped_is_never_accepted():
+    # pool: root children A (token 5, score -5) and B (6, -0.1); A's child C (7, -0.05), scored
+    # above its parent, as rounding could do; keeping the best 2 keeps B and C but not A
+    pool = dict(ptok=torch.tensor([[5, 6, 7]]), pscore=torch.tensor([[-5.0, -0.1, -0.05]]),
+                ppar=torch.tensor([[-1, -1, 0]]), pdep=torch.tensor([[1, 1, 2]]))
+    tree = tree_from_pool(torch.tensor([3]), **pool, verify=2, depth=2)
+    assert tree.tokens.tolist() == [[3, 6, 7]] and tree.valid.tolist() == [[True, True, False]]
+    # the target would emit 7 right after the root: the orphan C must not be taken for it
+    y = torch.tensor([[7, 1, 1]])
+    path, n_acc, nxt = walk(tree, y)
+    assert n_acc.tolist() == [0] and nxt.tolist() == [7]
+    # with scores in order the same pool keeps A and C, and the path root -> A -> C is accepted
+    ok = tree_from_pool(torch.tensor([3]), **{**pool, "pscore": torch.tensor([[-0.1, -5.0, -0.2]])}, verify=2, depth=2)
+    assert ok.tokens.tolist() == [[3, 5, 7]] and ok.valid.all()
+    assert walk(ok, torch.tensor([[5, 7, 2]]))[1].tolist() == [2]

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import spec_defaults
+
 
 class ConfigError(ValueError):
     """A config failed validation; `errors` maps dotted field paths to messages."""
@@ -99,17 +101,19 @@ class RolloutSection(_Section):
 
 
 class SpecSection(_Section):
-    threshold: int = Field(32, ge=1, le=4096, description="SD switches on when running sequences drop to this.")
-    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="Bandit exploration probability.")
-    buckets: list[int] = Field([1, 4, 20], description="Upper batch sizes of the bandit buckets (last bucket is open).")
-    window: int = Field(16, ge=1, le=1024, description="Rewards kept per arm for the median.")
+    threshold: int = Field(spec_defaults.THRESHOLD, ge=1, le=4096,
+                           description="SD switches on when running sequences drop to this.")
+    epsilon: float = Field(spec_defaults.EPSILON, ge=0.0, le=1.0, description="Bandit exploration probability.")
+    buckets: list[int] = Field(list(spec_defaults.BUCKETS),
+                               description="Upper batch sizes of the bandit buckets (last bucket is open).")
+    window: int = Field(spec_defaults.WINDOW, ge=1, le=1024, description="Rewards kept per arm for the median.")
     strategies: list[tuple[int, int, int]] = Field(
-        [(4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16)],
+        list(spec_defaults.STRATEGIES),
         description="Arms as (draft depth, top-k branching, tokens verified per pass); top-k 1 is a chain.",
     )
-    ngram_arm: bool = Field(True, description="Also try an n-gram drafter over sibling responses.")
+    ngram_arm: bool = Field(spec_defaults.NGRAM_ARM, description="Also try an n-gram drafter over sibling responses.")
     draft_vocab: int = Field(
-        0, ge=0, le=1_000_000,
+        spec_defaults.DRAFT_VOCAB, ge=0, le=1_000_000,
         description="Reduced draft vocabulary (FR-Spec): the EAGLE drafter scores only the N most frequent token "
                     "ids of its training data (plus EOS) when drafting, which makes each draft step much cheaper "
                     "for large vocabularies; still lossless (verification uses the target's full distribution). "

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import spec_defaults
 from .bandit import BucketedBandit
 from .linear import tune
 from .model import Transformer
@@ -77,20 +78,20 @@ class SpecPolicy:
     """When and how the rollout speculates. Mirrors config.SpecSection plus engine-only knobs."""
 
     enabled: bool = True  # False: never speculate (baseline), but still measure the tail at `threshold`
-    threshold: int = 32  # SD may switch on when running sequences <= threshold (the tail)
-    strategies: tuple[tuple[int, int, int], ...] = ((4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16))
-    ngram_arm: bool = True  # n-gram drafter over the row itself and its siblings (same prompt)
+    threshold: int = spec_defaults.THRESHOLD  # SD may switch on when running sequences <= threshold (the tail)
+    strategies: tuple[tuple[int, int, int], ...] = spec_defaults.STRATEGIES
+    ngram_arm: bool = spec_defaults.NGRAM_ARM  # n-gram drafter over the row itself and its siblings (same prompt)
     ngram_n: int = 3  # longest suffix the n-gram drafter matches (tries n..1)
     ngram_depth: int = 6  # tokens it proposes per pass
     off_arm: bool = True  # plain decoding is an arm too: SD switches off where it does not pay
-    epsilon: float = 0.1  # bandit exploration probability
-    buckets: tuple[int, ...] = (1, 4, 20)  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
-    window: int = 16  # rewards kept per arm and bucket for the median
+    epsilon: float = spec_defaults.EPSILON  # bandit exploration probability
+    buckets: tuple[int, ...] = spec_defaults.BUCKETS  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
+    window: int = spec_defaults.WINDOW  # rewards kept per arm and bucket for the median
     arm: str | None = None  # force this arm in the tail, e.g. "d5k1v5" (benchmarks, tests); None: bandit picks
     # reduced draft vocabulary (FR-Spec): the EAGLE drafter's head scores only this many token ids, the
     # most frequent by `drafter.token_counts` (its training data) plus the EOS ids; 0: the full vocabulary.
     # Lossless either way (verification uses the target's full distribution); it makes draft steps cheap.
-    draft_vocab: int = 0
+    draft_vocab: int = spec_defaults.DRAFT_VOCAB
     draft_ids: Sequence[int] | None = None  # explicit draft vocabulary (overrides draft_vocab; tests)
 
     @classmethod

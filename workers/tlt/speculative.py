@@ -290,9 +290,22 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
 
     ptok, pscore = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)
     ppar, pdep = torch.cat(pool_par, 1), torch.cat(pool_dep, 1)
-    M = ptok.shape[1]
+    return tree_from_pool(root, ptok, pscore, ppar, pdep, verify, depth)
+
+
+def tree_from_pool(root: Tensor, ptok: Tensor, pscore: Tensor, ppar: Tensor, pdep: Tensor, verify: int,
+                   depth: int) -> Tree:
+    """The `verify` best candidates of a drafted pool as a Tree under each row's root.
+
+    root [B]; pool [B, M] in level order: token, cumulative score, parent pool index (-1: the
+    root), depth. A child's score is below its parent's, and a depth penalty breaks rounded ties,
+    so the kept set is closed under ancestors; should scores ever come out of order anyway, a kept
+    node whose parent was not kept is marked invalid (never accepted), since reattaching it to the
+    root would put its token at the wrong position.
+    """
+    B, M = ptok.shape
+    dev = ptok.device
     if M > verify:
-        # depth penalty: a child never outranks its parent, even when their scores round equal
         sel = (pscore - 1e-3 * pdep).topk(verify, -1).indices.sort(1).values  # pool order = level order
     else:
         sel = torch.arange(M, device=dev).expand(B, M)
@@ -301,13 +314,11 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     table.scatter_(1, sel + 1, torch.arange(1, N + 1, device=dev).expand(B, N))
     parent = table.gather(1, ppar.gather(1, sel) + 1)
     dep = pdep.gather(1, sel)
-    # closed under ancestors by construction: a kept node whose parent was not kept (scores that
-    # rounded out of order) would read as a root child at the wrong depth, so it is never accepted
-    kept = (dep == 1) | (parent > 0)
+    kept = (dep == 1) | (parent > 0)  # parent 0 at depth > 1: an orphan
     zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
     tokens = torch.cat([root[:, None], ptok.gather(1, sel)], 1)
     return Tree(tokens, torch.cat([zero - 1, parent], 1), torch.cat([zero, dep], 1),
-                torch.cat([zero.bool() | True, kept], 1), depth, False)
+                torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), kept], 1), depth, False)
 
 
 # --- the n-gram drafter ----------------------------------------------------------------------------
