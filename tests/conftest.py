@@ -118,8 +118,27 @@ def metrics_record_fake(step: int) -> dict:
                 {"worker": 0, "segments": [["generate", 0, 3], ["idle", 3, 3.5], ["drafter", 3.5, 4]]},
                 {"worker": 1, "segments": [["generate", 0, 1.5], ["drafter", 1.5, 4]]},
             ],
+            "rollout/samples": rollout_samples_fake(step),
         },
     }
+
+
+def rollout_samples_fake(step: int, n: int = 4) -> list[dict]:
+    """The series "rollout/samples" as the trainer sends it: a few responses of the step, with the
+    tokens the drafter proposed and the target accepted marked 1 in from_draft."""
+    out = []
+    for i in range(n):
+        tokens = ["<think>", " 3", " +", " 4", " =", " 7", "</think>", " 7"][: 4 + i] + (["…"] * (3 * i))
+        out.append({
+            "sample": i,
+            "prompt": f"step {step} problem {i}: 3 + 4 = ?",
+            "tokens": tokens,
+            "from_draft": [1 if (j % 3 == 1 and i % 2 == 0) else 0 for j in range(len(tokens))],
+            "reward": 1.0 if i % 2 == 0 else 0.0,
+            "length": len(tokens),
+            "truncated": i == n - 1,
+        })
+    return out
 
 
 # ---------- real services: Ray head and Celery worker ----------

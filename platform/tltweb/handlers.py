@@ -1,10 +1,11 @@
 """Error pages: JSON under /api/ (so an API client never gets an HTML page for a URL the API does
-not have), Django's templates (403.html, 404.html) elsewhere. Wired in tltweb/urls.py."""
+not have), Django's templates (403.html, 404.html) elsewhere. Wired in tltweb/urls.py, and the CSRF
+failure view in settings (CSRF_FAILURE_VIEW)."""
 
 from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.views import defaults
+from django.views import csrf, defaults
 
 
 def _api(request: HttpRequest) -> bool:
@@ -33,3 +34,11 @@ def server_error(request: HttpRequest) -> HttpResponse:
     if _api(request):
         return JsonResponse({"error": "internal error"}, status=500)
     return defaults.server_error(request)
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+    """An unsafe request to a non-API view under /api/ (the JSON 404 catch-all, the root redirect)
+    without a CSRF token: the API's 403 shape (its own routes check CSRF on session auth themselves)."""
+    if _api(request):
+        return JsonResponse({"error": f"CSRF check failed: {reason}" if reason else "CSRF check failed"}, status=403)
+    return csrf.csrf_failure(request, reason=reason)

@@ -10,8 +10,9 @@ CELERY_BROKER_URL, CELERY_FS_DIR, RAY_ADDRESS, TLT_PUBLIC_URL, TLT_ARTIFACT_DIR,
 TLT_DATA_DIR, TLT_MODELS_DIR, TLT_LAUNCH_CHECK_CLUSTER, TLT_AUTO_RESUME_MAX, TLT_RESUBMIT_AFTER_S,
 TLT_INGEST_RETRY_S, TLT_INGEST_MAX_WAIT_S, TLT_INGEST_DRAIN_S, TLT_INGEST_PAUSE_S,
 TLT_LOGIN_FAILURE_LIMIT, TLT_LOGIN_COOLOFF_MIN, TLT_JOB_PYTHON, TLT_JOB_WORKDIR,
-TLT_SYNC_INTERVAL_S, TLT_VAR_DIR, SECURE_SSL_REDIRECT, SECURE_HSTS_SECONDS,
-SESSION_COOKIE_SECURE, CSRF_COOKIE_SECURE, SERVE_STATIC.
+TLT_SYNC_INTERVAL_S, TLT_VAR_DIR, TLT_MLFLOW_TRACKING_URI, TLT_MLFLOW_EXPERIMENT,
+TLT_MLFLOW_ARTIFACTS, SECURE_SSL_REDIRECT, SECURE_HSTS_SECONDS, SESSION_COOKIE_SECURE,
+CSRF_COOKIE_SECURE, SERVE_STATIC.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ MIDDLEWARE = [
 
 # --- Login throttling (django-axes): after TLT_LOGIN_FAILURE_LIMIT wrong passwords for one username from
 # one address, that pair is locked out for TLT_LOGIN_COOLOFF_MIN minutes (browser and admin login; the
-# JSON API counts invalid personal tokens per address the same way, tltweb.api.http).
+# JSON API counts invalid personal tokens per address the same way, tltweb.api.auth).
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = env_int("TLT_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("TLT_LOGIN_COOLOFF_MIN", 15, minimum=1))
@@ -89,6 +90,7 @@ AXES_VERBOSE = False
 
 ROOT_URLCONF = "tltweb.urls"
 WSGI_APPLICATION = "tltweb.wsgi.application"
+CSRF_FAILURE_VIEW = "tltweb.handlers.csrf_failure"  # JSON under /api/, Django's page elsewhere
 
 TEMPLATES = [
     {
@@ -100,6 +102,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "tltweb.accounts.context_processors.permissions",
             ],
         },
     },
@@ -184,6 +187,11 @@ TLT_JOB_PYTHON = env_str("TLT_JOB_PYTHON", sys.executable)
 TLT_JOB_WORKDIR = env_str("TLT_JOB_WORKDIR", str(BASE_DIR))
 TLT_MAX_ARTIFACT_BYTES = env_int("TLT_MAX_ARTIFACT_BYTES", 20 * 1024**3, minimum=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 50 * 1024**2, minimum=1024)
+# Optional MLflow mirror of every run's metrics (workers.tlt.metrics.MlflowSink), e.g.
+# http://mlflow.internal:5000 or file:///shared/mlruns, as the Ray jobs reach it; empty: off.
+TLT_MLFLOW_TRACKING_URI = env_str("TLT_MLFLOW_TRACKING_URI", "")
+TLT_MLFLOW_EXPERIMENT = env_str("TLT_MLFLOW_EXPERIMENT", "")  # empty: the run's team name
+TLT_MLFLOW_ARTIFACTS = env_bool("TLT_MLFLOW_ARTIFACTS", False)  # also copy drafter/policy zips to MLflow
 
 LOGGING = {
     "version": 1,

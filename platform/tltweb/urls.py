@@ -4,6 +4,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 from django.contrib.staticfiles.views import serve as static_serve
+from django.templatetags.static import static
 
 from tltweb import health
 from tltweb.accounts import views as accounts
@@ -12,6 +13,8 @@ from tltweb.runs import views as runs
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="run-list"), name="home"),
     path("healthz", health.healthz, name="healthz"),
+    # browsers ask for /favicon.ico before reading the page's <link rel="icon">
+    path("favicon.ico", RedirectView.as_view(url=static("img/favicon.svg"), permanent=True), name="favicon"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("runs/", runs.run_list, name="run-list"),
@@ -23,7 +26,10 @@ urlpatterns = [
     path("runs/<uuid:run_id>/resume", runs.run_resume, name="run-resume"),
     path("runs/<uuid:run_id>/edit", runs.run_edit, name="run-edit"),
     path("runs/<uuid:run_id>/artifacts/<int:artifact_id>/download", runs.artifact_download, name="artifact-download"),
+    path("runs/<uuid:run_id>/log", runs.run_log_download, name="run-log"),
+    path("runs/<uuid:run_id>/samples", runs.run_samples, name="run-samples"),
     path("teams/", accounts.team_list, name="team-list"),
+    path("teams/new", accounts.team_create, name="team-create"),
     path("teams/<int:team_id>/", accounts.team_detail, name="team-detail"),
     path("teams/<int:team_id>/members", accounts.team_member_save, name="team-member-save"),
     path("teams/<int:team_id>/members/remove", accounts.team_member_remove, name="team-member-remove"),

@@ -1,5 +1,6 @@
 // Run page: polls the metrics endpoint (every 2 s while the tab is visible, 15 s when hidden),
-// extends the over-steps charts, and draws the per-step charts for the step chosen on the slider.
+// extends the over-steps charts, draws the per-step charts for the step chosen on the slider,
+// shows the trainer's setup progress (phase, done/total, ETA), and asks before cancelling.
 (function () {
   "use strict";
   var root = document.getElementById("dashboard");
@@ -153,6 +154,39 @@
       });
   }
 
+  var progressBox = document.getElementById("progress");
+  var samplesLink = document.getElementById("samples-link");
+  function duration(s) {
+    s = Math.round(s);
+    var pad = function (n) { return (n < 10 ? "0" : "") + n; };
+    if (s < 60) return s + "s";
+    if (s < 3600) return Math.floor(s / 60) + "m " + pad(s % 60) + "s";
+    return Math.floor(s / 3600) + "h " + pad(Math.floor((s % 3600) / 60)) + "m";
+  }
+  function showProgress(p, active) {
+    if (!p || !active) { progressBox.hidden = true; return; }
+    progressBox.hidden = false;
+    document.getElementById("progress-phase").textContent = p.phase === "rl" ? "RL step " + p.done + " of " + p.total : p.label;
+    document.getElementById("progress-count").textContent = p.done + "/" + p.total;
+    document.getElementById("progress-eta").textContent = p.eta_s !== null ? "ETA " + duration(p.eta_s) : "";
+    document.getElementById("progress-bar").value = p.fraction !== null ? p.fraction : 0;
+    document.getElementById("progress-message").textContent = p.message;
+    var list = document.getElementById("progress-phases");
+    list.textContent = "";
+    p.history.forEach(function (h) {
+      var li = document.createElement("li");
+      li.textContent = h.label + " · " + duration(h.seconds);
+      list.appendChild(li);
+    });
+  }
+
+  var cancelForm = document.getElementById("cancel-form");
+  if (cancelForm) {
+    cancelForm.addEventListener("submit", function (e) {
+      if (!window.confirm(cancelForm.dataset.confirm)) e.preventDefault();
+    });
+  }
+
   function updateState(data) {
     var el = document.querySelector("#run-state .state");
     if (el && !el.classList.contains("state-" + data.state)) {
@@ -183,8 +217,10 @@
           slider.max = lastStep;
           if (follow) { slider.value = lastStep; showStep(lastStep); }
           summary.textContent = steps.length + " steps · last " + lastStep;
+          samplesLink.hidden = false;
           refreshArtifacts();
         }
+        showProgress(data.progress, data.active);
         updateState(data);
         schedule(data.active);
       })

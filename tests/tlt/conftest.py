@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Kernel choices timed on a busy test machine must not land in the user's cache (var/models), where
+# benchmarks would read them: tests tune into a file of their own (Ray workers inherit it).
+os.environ.setdefault("TLT_KERNEL_CACHE", os.path.join(tempfile.mkdtemp(prefix="tlt-test-kernels-"), "kernels.json"))
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,17 @@
-"""`bench e2e`: preset overrides from the command line, and one real (tiny) TLT-vs-baseline run."""
+"""`bench e2e`: preset overrides from the command line, the Amdahl bound, and one real (tiny) run of the
+three arms (baseline, TLT, TLT with a frozen drafter)."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.tlt.bench import e2e, parse_overrides
+from workers.tlt.bench import amdahl_bound, e2e, parse_overrides
 
 # the same tiny shape as test_trainer.py (its SFT'd policy is cached and shared)
 TINY = {
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "sft_steps": 150},
     "task": {"prompts_per_step": 4},
-    "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 0.0},
+    "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 1.0},
     "drafter": {"warmup_steps": 10, "batch_tokens": 256},
     "grpo": {"lr": 1e-3, "micro_batch": 4},
 }
@@ -23,16 +24,29 @@ def test_overrides_are_parsed_as_yaml_per_section():
         parse_overrides(["warmup_steps=3"])
 
 
-def test_e2e_trains_baseline_and_tlt_and_reports_consistent_figures(tmp_path, monkeypatch):
+def test_the_amdahl_bound_is_what_a_rollout_speedup_allows():
+    assert amdahl_bound(0.0, 3.0) == 1.0  # nothing to speed up
+    assert amdahl_bound(1.0, 3.0) == pytest.approx(3.0)
+    assert amdahl_bound(0.75, 1.8) == pytest.approx(1.5)  # the headline goal's corner
+    assert amdahl_bound(0.5, 0.0) == 0.0
+
+
+def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monkeypatch):
     # the test session's RAY_ADDRESS is the platform's job API (http): the bench starts its own instance
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    r = e2e("tiny-cpu", 2, tmp_path, overrides=TINY)
+    r = e2e("tiny-cpu", 2, tmp_path, overrides=TINY, static=True)
+    assert r["arms"] == ["baseline", "tlt", "static"]
     assert r["steps"] == 2 and len(r["reward_by_step_tlt"]) == len(r["reward_by_step_baseline"]) == 2
-    # greedy: TLT is lossless, so both runs see the same answers and rewards
-    assert r["reward_by_step_tlt"] == r["reward_by_step_baseline"]
+    # keyed sampling and lossless SD: every arm samples the same answers, so the curves coincide
+    assert r["reward_by_step_tlt"] == r["reward_by_step_baseline"] == r["reward_by_step_static"]
+    assert r["amdahl_bound"] == pytest.approx(amdahl_bound(r["rollout_share"], r["rollout_speedup"]))
+    assert r["e2e_efficiency"] == pytest.approx(r["e2e_speedup"] / r["amdahl_bound"])
+    assert len(r["acceptance_by_step_static"]) == 2 and r["acceptance_length_static"] >= 1.0
+    assert "reward_rise_tlt" in r and r["cpu"]
     assert r["step_s_baseline"] > 0 and r["step_s_tlt"] > 0
     assert r["e2e_speedup"] == pytest.approx(r["step_s_baseline"] / r["step_s_tlt"])
     assert r["rollout_speedup"] > 0 and 0 < r["rollout_share"] < 1
     assert 0.0 <= r["idle_reclaimed_frac"] <= 1.0
     assert r["acceptance_length"] >= 1.0  # 4 rows per worker: SD is on from the first token
-    assert (tmp_path / "baseline" / "metrics.jsonl").exists() and (tmp_path / "tlt" / "metrics.jsonl").exists()
+    for arm in r["arms"]:
+        assert (tmp_path / arm / "metrics.jsonl").exists()

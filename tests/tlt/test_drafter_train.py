@@ -186,21 +186,13 @@ def test_state_dict_holds_only_trainable_weights_and_restores_the_optimizer(targ
     buf = harvested_buffer(target)
     trainer.train(buf, max_steps=2)
     state = trainer.state_dict()
-    assert set(state["drafter"]) == {k for k, _ in drafter.named_parameters()}
-    assert all(k.startswith(("fc.", "layers.0.")) for k in state["drafter"])
+    assert set(state["drafter"]) == {k for k, _ in drafter.named_parameters()} | {"token_counts"}
+    assert all(k.startswith(("fc.", "layers.0.")) for k in drafter.weights)
     other = DrafterTrainer(Drafter.for_target(target, seed=5))
     other.load_state_dict(state)
     batch = next(buf.batches(4096, random.Random(1)))
     a, b = trainer.step(batch), other.step(batch)
     assert a == b and other.steps_done == 3
-
-
-def test_warmup_trains_on_the_models_own_generations(target):
-    drafter = Drafter.for_target(target)
-    trainer = DrafterTrainer(drafter, DrafterSection(lr=3e-3))
-    prompts = [[1, 4 + i % 10, 5] for i in range(6)]
-    assert trainer.warmup(target, prompts, steps=5, max_new_tokens=12, temperature=1.0) == 5
-    assert trainer.last_metrics["tokens"] > 0
 
 
 def test_average_state_dicts_is_the_elementwise_mean():
@@ -213,3 +205,30 @@ def test_average_state_dicts_is_the_elementwise_mean():
     assert average_state_dicts([half, half])["w"].dtype == torch.bfloat16
     with pytest.raises(ValueError):
         average_state_dicts([a, {"w": a["w"]}])
+
+
+def test_the_warmup_recipe_trains_on_the_policys_answers_and_caches_data_and_drafter(target, tmp_path):
+    from workers.tlt import drafter_warmup
+    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.tasks import make_task
+
+    task = make_task("longtail")
+    cfg = DrafterSection(warmup_prompts=12, warmup_steps=6, warmup_max_new_tokens=16, warmup_batch_tokens=256,
+                         train_vocab=6)
+    kw = dict(sampling=SamplingParams(temperature=1.0), policy_key="k", max_new_tokens=40, seed=0, cache_dir=tmp_path)
+    drafter, info = drafter_warmup.warmup_drafter(target, task, cfg, **kw)
+    assert not info["cached"] and info["steps"] == 6 and info["answers"] == 12 and info["response_tokens"] > 0
+    assert float(drafter.token_counts.sum()) == info["response_tokens"]  # its data's token frequencies go with it
+    assert not torch.equal(drafter.fc.weight, Drafter.for_target(target).fc.weight)  # it trained
+    again, info2 = drafter_warmup.warmup_drafter(target, task, cfg, **kw)
+    assert info2["cached"] and all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                                      drafter.state_dict().values()))
+    # another training recipe reuses the cached answers instead of generating them again
+    calls = []
+    real = drafter_warmup.generate_answers
+    drafter_warmup.generate_answers = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        _, info3 = drafter_warmup.warmup_drafter(target, task, cfg.model_copy(update={"warmup_steps": 3}), **kw)
+    finally:
+        drafter_warmup.generate_answers = real
+    assert not info3["cached"] and info3["steps"] == 3 and calls == []

@@ -63,7 +63,7 @@ def test_export_then_import_gives_bitwise_equal_outputs(tmp_path, arch):
     drafter = Drafter.for_target(policy, seed=2)
     folder = export_drafter(drafter, tmp_path / "d")
     again = load_drafter(folder, policy)
-    assert set(again.state_dict()) == set(drafter_tensor_shapes(policy.config))
+    assert set(again.weights) == set(drafter_tensor_shapes(policy.config))
     h = policy(torch.randint(0, 40, (2, 7))).hidden
     tok = torch.randint(0, 40, (2, 7))
     with torch.no_grad():

@@ -1,5 +1,6 @@
-"""workers/tlt/linear.py: the few-row CPU kernels compute what F.linear computes, and never with a
-stale packed weight. Layers meant to take the fast paths are >= 256 x 256, above MIN_WEIGHT_NUMEL."""
+"""workers/tlt/linear.py: every kernel computes what F.linear computes, never with a stale packed
+weight; the oneDNN kernel is batch-invariant (bit for bit) on real-size layers; tuning chooses per
+machine and caches its choice."""
 
 from __future__ import annotations
 
@@ -9,14 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tlt.linear import MAX_FEW_ROWS, MIN_WEIGHT_NUMEL, Linear
+from workers.tlt import linear
+from workers.tlt.linear import KERNELS, MAX_FEW_ROWS, Linear, tune
 
 
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLT_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.delenv("TLT_KERNEL", raising=False)
+    return tmp_path / "kernels.json"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, MAX_FEW_ROWS, MAX_FEW_ROWS + 1, 40])
-def test_equals_f_linear_for_any_number_of_rows(rows, bias):
+def test_every_kernel_equals_f_linear_for_any_number_of_rows(rows, bias, kernel):
     torch.manual_seed(rows)
     layer = Linear(256, 320, bias=bias)
+    layer.kernel = kernel
     x = torch.randn(rows, 256)
     with torch.inference_mode():
         got = layer(x)
@@ -24,9 +35,24 @@ def test_equals_f_linear_for_any_number_of_rows(rows, bias):
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (4096, 576)])
+def test_the_onednn_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(shape):
+    """SmolLM2's layer shapes: a decode step (one row per sequence) and a verify pass (several rows)
+    must compute a row identically, or SD could round a near-tie the other way."""
+    torch.manual_seed(0)
+    layer = Linear(shape[1], shape[0], bias=False)
+    layer.kernel = "onednn"
+    x = torch.randn(MAX_FEW_ROWS, shape[1])
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(MAX_FEW_ROWS)])
+        for rows in (2, 3, 5, 8, 17, MAX_FEW_ROWS):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
 def test_keeps_leading_dimensions():
     layer = Linear(256, 320)
-    x = torch.randn(2, 3, 256)  # 6 rows: the packed path
+    layer.kernel = "onednn"
+    x = torch.randn(2, 3, 256)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
@@ -35,6 +61,7 @@ def test_keeps_leading_dimensions():
 def test_a_weight_update_reaches_the_packed_kernel(update):
     """A policy weight sync changes the weight between two verify passes; the packed copy follows."""
     layer = Linear(256, 256, bias=False)
+    layer.kernel = "onednn"
     x = torch.randn(4, 256)
     with torch.no_grad():
         before = layer(x)
@@ -50,6 +77,7 @@ def test_a_weight_update_reaches_the_packed_kernel(update):
 
 def test_training_keeps_autograd():
     layer = Linear(8, 4)
+    layer.kernel = "onednn"
     x = torch.randn(3, 8, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
@@ -65,28 +93,53 @@ def test_frozen_wraps_a_weight_without_copying_it():
 
 def test_pickles_without_its_packed_cache():
     layer = Linear(256, 256)
+    layer.kernel = "onednn"
     with torch.no_grad():
         layer(torch.randn(4, 256))
+    assert layer._packed is not None
     copy = pickle.loads(pickle.dumps(layer))
+    assert copy._packed is None and copy.kernel == "onednn"
     with torch.no_grad():
         x = torch.randn(4, 256)
         torch.testing.assert_close(copy(x), layer(x))
 
 
-def test_inference_tensors_take_only_the_unpacked_paths():
+def test_inference_tensors_take_only_the_unpacked_path():
     """Weights made under inference_mode have no version counter to key a packed copy on."""
     with torch.inference_mode():
         layer = Linear.frozen(torch.randn(300, 256))
+        layer.kernel = "onednn"
         for rows in (1, 4):
             x = torch.randn(rows, 256)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
     assert layer._packed is None
 
 
-def test_small_weights_and_the_packed_path_are_told_apart():
-    small, big = Linear(64, 64), Linear(256, 256)
-    assert small.weight.numel() < MIN_WEIGHT_NUMEL <= big.weight.numel()
-    with torch.no_grad():
-        small(torch.randn(4, 64))
-        big(torch.randn(4, 256))
-    assert small._packed is None and big._packed is not None
+def _model():
+    return torch.nn.Sequential(Linear(256, 512), Linear(512, 256), Linear(256, 512))
+
+
+def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_cache, monkeypatch):
+    model = _model()
+    chosen = tune(model)
+    assert set(chosen) == {"512x256x2", "256x512x1"} and set(chosen.values()) <= set(KERNELS)
+    assert model[0].kernel == model[2].kernel == chosen["512x256x2"]
+    assert kernel_cache.exists() and linear.cpu_name() in kernel_cache.read_text()
+    assert tune(model) == {}  # tuned once per model
+
+    def no_timing(*a, **k):
+        raise AssertionError("a cached choice was measured again")
+
+    monkeypatch.setattr(linear, "_time_group", no_timing)
+    again = _model()
+    assert tune(again) == chosen  # another process with the same CPU, torch and threads reads the file
+
+
+def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):
+    monkeypatch.setenv("TLT_KERNEL", "gemm2")
+    model = _model()
+    tune(model)
+    assert {m.kernel for m in model} == {"gemm2"}
+    monkeypatch.setenv("TLT_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="TLT_KERNEL"):
+        tune(_model())

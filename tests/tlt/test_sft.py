@@ -7,7 +7,7 @@ import torch
 
 from workers.tlt.config import ModelSection
 from workers.tlt.model import Transformer
-from workers.tlt.sft import build_tiny_model, collate_examples, generate, length_groups, sft
+from workers.tlt.sft import build_tiny_model, collate_examples, generate_ids, length_groups, sft
 
 SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -61,6 +61,6 @@ def test_sft_memorises_a_tiny_dataset_deterministically():
 
     model, losses = run()
     assert losses[-1] < 0.1
-    out = generate(model, [p for p, _ in examples], max_new_tokens=8, eos_ids=[2])
+    out = generate_ids(model, [p for p, _ in examples], max_new_tokens=8, eos_ids=[2])
     assert out == [r for _, r in examples]
     assert run()[1] == losses  # same seed, same run

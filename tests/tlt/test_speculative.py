@@ -1,4 +1,5 @@
-"""Drafting and verification pieces: exact losslessness of the acceptance rules, tree masks, drafter catch-up."""
+"""Drafting and verification pieces: keyed sampling, exact losslessness of the acceptance rule, tree masks,
+drafter catch-up."""
 
 import itertools
 
@@ -8,9 +9,9 @@ import torch
 
 from workers.tlt.drafter import Drafter
 from workers.tlt.model import ModelConfig, Transformer, causal_mask, init_weights
-from workers.tlt.sampling import SamplingParams, process, sample
-from workers.tlt.speculative import (Tree, accept_prob, ancestors, catch_up, chain_rule, chain_tree, draft,
-                                     ngram_propose, residual, tree_mask, walk)
+from workers.tlt.sampling import SamplingParams, process, sample, sample_keys, token_logprobs, uniforms
+from workers.tlt.speculative import (Tree, ancestors, catch_up, chain_tree, draft, ngram_propose, tree_from_pool,
+                                     tree_mask, walk)
 
 V = 4
 
@@ -47,28 +48,6 @@ def _extend(table, prefix: tuple[int, ...], prob: float, acc: dict, horizon=3) -
         _extend(table, prefix + (x,), prob * float(table[prefix][x]), acc, horizon)
 
 
-def test_chain_speculative_sampling_rule_is_exactly_the_target_law():
-    # enumerate drafts d1 ~ q1, d2 ~ q2(.|d1), the accept/reject coin of each and the residual draw,
-    # using the same accept_prob/residual the engine uses; the emitted law must equal p exactly
-    p = _target_table(0)
-    q = _target_table(1)
-    acc: dict = {}
-    for d1, d2 in itertools.product(range(V), repeat=2):
-        w = float(q[()][d1] * q[(d1,)][d2])
-        a1 = float(accept_prob(p[()][d1], q[()][d1]))
-        r1 = residual(p[()], q[()])
-        for x in range(V):  # rejected at position 1: emit x ~ residual
-            _extend(p, (x,), w * (1 - a1) * float(r1[x]), acc)
-        a2 = float(accept_prob(p[(d1,)][d2], q[(d1,)][d2]))
-        r2 = residual(p[(d1,)], q[(d1,)])
-        for x in range(V):  # accepted d1, rejected d2
-            _extend(p, (d1, x), w * a1 * (1 - a2) * float(r2[x]), acc)
-        for x in range(V):  # both accepted: bonus token from p
-            _extend(p, (d1, d2, x), w * a1 * a2 * float(p[(d1, d2)][x]), acc)
-    ref = _joint(p)
-    assert max(abs(acc[s] - ref[s]) for s in ref) < 1e-6
-
-
 def test_tree_walk_is_exactly_the_target_law():
     # tree: root -> {a=0, b=2}, a -> {c=1}; every node draws y ~ p(. | its path); enumerate all y
     p = _target_table(2)
@@ -93,24 +72,31 @@ def test_tree_walk_is_exactly_the_target_law():
     assert max(abs(acc[s] - ref[s]) for s in ref) < 1e-6
 
 
-def test_chain_rule_function_samples_the_target_law():
-    # the vectorised chain_rule itself, on 200k rows of one explicit 2-token draft problem
-    p, q = _target_table(3), _target_table(4)
-    g = torch.Generator().manual_seed(0)
+def test_keyed_inverse_cdf_draws_follow_the_distribution_and_depend_only_on_key_and_position():
+    p = _norm(torch.tensor([0.3, 0.0, 0.05, 0.65]))
     B = 200_000
-    d1 = sample(q[()].expand(B, V), g)
-    q2 = torch.stack([q[(i,)] for i in range(V)])[d1]
-    d2 = sample(q2, g)
-    P = torch.stack([p[()].expand(B, V), torch.stack([p[(i,)] for i in range(V)])[d1],
-                     torch.stack([torch.stack([p[(i, j)] for j in range(V)]) for i in range(V)])[d1, d2]], 1)
-    ar = torch.arange(3).expand(B, 3)
-    tree = Tree(torch.stack([torch.zeros(B, dtype=torch.long), d1, d2], 1), ar - 1, ar,
-                torch.ones(B, 3, dtype=torch.bool), 2, True, torch.stack([q[()].expand(B, V), q2], 1))
-    _, n_acc, nxt = chain_rule(tree, P, g)
-    first = torch.where(n_acc > 0, d1, nxt)
-    freq = torch.bincount(first, minlength=V).float() / B
-    assert (freq - p[()]).abs().max() < 0.005  # ~4.5 sigma at B=200k
-    assert 0 < (n_acc == 0).float().mean() < 1 and (n_acc == 2).any()
+    keys = sample_keys(7, B)
+    u = uniforms(keys, torch.zeros(B, 1, dtype=torch.long))[:, 0]
+    x = sample(p.expand(B, V), u)
+    freq = torch.bincount(x, minlength=V).double() / B
+    assert (freq - p).abs().max() < 0.005 and freq[1] == 0  # ~4.5 sigma; zero mass is never drawn
+    # the uniform of (key, position) is the same whatever else is computed alongside it
+    pos = torch.tensor([[3, 9], [4, 1]])
+    assert torch.equal(uniforms(keys[:2], pos)[0, 1], uniforms(keys[:1], torch.tensor([[9]]))[0, 0])
+    assert not torch.equal(uniforms(keys[:2], pos)[0], uniforms(keys[1:3], pos)[0])  # other samples differ
+    assert torch.equal(sample_keys(7, 5), sample_keys(7, 9)[:5]) and not torch.equal(sample_keys(7, 5), sample_keys(8, 5))
+
+
+def test_token_logprobs_score_the_processed_distribution_and_keep_sampled_tokens():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    params = SamplingParams(temperature=0.5, top_k=2)
+    lp = token_logprobs(logits, torch.tensor([1]), params)
+    assert torch.allclose(lp.exp(), process(logits, params)[:, 1])
+    # a token the truncation would drop (rounding between engines) still gets a finite log-prob
+    assert torch.isfinite(token_logprobs(logits, torch.tensor([3]), params)).all()
+    # greedy rollouts are scored at temperature 1
+    assert torch.allclose(token_logprobs(logits, torch.tensor([1]), SamplingParams(temperature=0)),
+                          logits.log_softmax(-1)[:, 1])
 
 
 def test_processed_distribution_applies_temperature_top_k_top_p():
@@ -146,8 +132,7 @@ def test_tree_verify_logits_equal_sequential_forward_of_each_path():
     hid = torch.zeros(B, L, 32)
     hid[:, :7] = out.hidden
     cache.lengths = lens.clone()
-    tree = draft(drafter, dcache, hid, seq, lens, 7, depth=3, topk=2, verify=6, params=SamplingParams(0),
-                 generator=None, sample_chain=False)
+    tree = draft(drafter, dcache, hid, seq, lens, 7, depth=3, topk=2, verify=6, params=SamplingParams(0))
     assert not torch.equal(tree.parent[:, 1:], torch.arange(6).expand(B, 6))  # a real tree, not a chain
     T = tree.tokens.shape[1]
     got = model(tree.tokens, lens[:, None] + tree.depth, cache, write_pos=lens[:, None] + torch.arange(T),
@@ -191,3 +176,20 @@ def test_ngram_drafter_continues_the_longest_match_in_own_text_then_siblings():
     tree = chain_tree(torch.tensor([4, 5]), [[1, 2, 3], []], 6)
     assert tree.tokens.tolist() == [[4, 1, 2, 3], [5, 0, 0, 0]]
     assert tree.valid.tolist() == [[True] * 4, [True, False, False, False]]
+
+
+def test_a_kept_node_whose_parent_was_dropped_is_never_accepted():
+    # pool: root children A (token 5, score -5) and B (6, -0.1); A's child C (7, -0.05), scored
+    # above its parent, as rounding could do; keeping the best 2 keeps B and C but not A
+    pool = dict(ptok=torch.tensor([[5, 6, 7]]), pscore=torch.tensor([[-5.0, -0.1, -0.05]]),
+                ppar=torch.tensor([[-1, -1, 0]]), pdep=torch.tensor([[1, 1, 2]]))
+    tree = tree_from_pool(torch.tensor([3]), **pool, verify=2, depth=2)
+    assert tree.tokens.tolist() == [[3, 6, 7]] and tree.valid.tolist() == [[True, True, False]]
+    # the target would emit 7 right after the root: the orphan C must not be taken for it
+    y = torch.tensor([[7, 1, 1]])
+    path, n_acc, nxt = walk(tree, y)
+    assert n_acc.tolist() == [0] and nxt.tolist() == [7]
+    # with scores in order the same pool keeps A and C, and the path root -> A -> C is accepted
+    ok = tree_from_pool(torch.tensor([3]), **{**pool, "pscore": torch.tensor([[-0.1, -5.0, -0.2]])}, verify=2, depth=2)
+    assert ok.tokens.tolist() == [[3, 5, 7]] and ok.valid.all()
+    assert walk(ok, torch.tensor([[5, 7, 2]]))[1].tolist() == [2]

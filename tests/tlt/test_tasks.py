@@ -123,7 +123,7 @@ def test_make_task_covers_every_config_kind(chat_tokenizer, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
     kinds = TaskSection.model_fields["kind"].annotation.__args__
-    assert set(kinds) == {"longtail", "math", "jsonl"}
+    assert set(kinds) == {"longtail", "math", "mathmix", "jsonl"}
     for kind in kinds:
         task = make_task(kind, tokenizer=None if kind == "longtail" else chat_tokenizer, path=str(data))
         assert isinstance(task, Task)
@@ -142,7 +142,7 @@ def test_make_task_refuses_what_it_cannot_build(chat_tokenizer):
         make_task("longtail", tokenizer=chat_tokenizer)
 
 
-@pytest.mark.parametrize("kind", ["longtail", "math"])
+@pytest.mark.parametrize("kind", ["longtail", "math", "mathmix"])
 def test_seeded_sampling_is_reproducible(kind, chat_tokenizer):
     task = make_task(kind, tokenizer=None if kind == "longtail" else chat_tokenizer)
     first = task.sample_prompts(16, random.Random(3))
@@ -153,12 +153,28 @@ def test_seeded_sampling_is_reproducible(kind, chat_tokenizer):
 # --- math word problems and the checker ----------------------------------------------------------
 
 
+def test_mathmix_mixes_drills_and_word_problems_in_the_configured_share(chat_tokenizer):
+    task = make_task("mathmix", tokenizer=chat_tokenizer, hard_fraction=0.25)
+    prompts = task.sample_prompts(8, random.Random(1))
+    drills = [p for p in prompts if "What is" in p.text and "?" in p.text.split("What is")[1][:12]]
+    assert len(drills) == 6 and len(prompts) == 8
+    assert not any(p.text.startswith("<|im_start|>system") for p in prompts)  # no system prompt
+    assert all("The answer is <number>" in p.text for p in prompts)
+    assert all(("step by step" in p.text) == (p not in drills) for p in prompts)  # word problems only
+    for p in drills:  # the gold answer is the drill's own arithmetic
+        a, op, b = p.text.split("What is ")[1].split("?")[0].split(" ")[:3]
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+    assert task.reward(drills[0], _response(chat_tokenizer, f"The answer is {drills[0].answer}.")) == 1.0
+    with pytest.raises(ValueError):
+        make_task("mathmix", tokenizer=chat_tokenizer, hard_fraction=1.5)
+
+
 def test_math_prompts_use_chatml_and_the_model_eos(chat_tokenizer):
     task = MathTask(chat_tokenizer)
     prompt = task.sample_prompts(1, random.Random(0))[0]
     assert prompt.text.startswith("<|im_start|>system\n")
     assert prompt.text.endswith("<|im_end|>\n<|im_start|>assistant\n")
-    assert "The answer is N" in prompt.text
+    assert "The answer is <number>" in prompt.text
     assert chat_tokenizer.decode(prompt.ids, skip_special_tokens=False) == prompt.text
     assert task.eos_id == chat_tokenizer.token_to_id("<|im_end|>")
     assert task.pad_id == chat_tokenizer.token_to_id("<|endoftext|>")

@@ -1,7 +1,9 @@
 """The driver on a real local Ray instance: metrics, spot-training preemption, resume, TLT on == off.
 
-Everything is tiny (a 2-layer 64-wide model, 4 prompts x 2 samples, 40 new tokens, greedy) so the
-file runs in well under three minutes on 2 cores; the SFT'd policy is cached under var/models.
+Everything is tiny (a 2-layer 64-wide model, 4 prompts x 2 samples, 40 new tokens, sampled at
+temperature 1) so the file runs in well under three minutes on 2 cores; the SFT'd policy is cached
+under var/models. Sampling is keyed by (seed, sample, position), so TLT on and off draw the same
+responses, and the groups' rewards differ: the policy really moves.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 
 from workers.tlt.config import load_config, preset
 from workers.tlt.checkpoint import CheckpointManager
-from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, JsonlSink, Tracking
+from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, WHEN_MEASURED, JsonlSink, Tracking
 from workers.tlt.model import Transformer
+from workers.tlt.policies import prepare_policy_folder
 from workers.tlt.trainer import Trainer
 
 STEPS = 3
@@ -30,7 +33,7 @@ def tiny_cfg(tlt: bool = True, steps: int = STEPS):
         "run": {"steps": steps, "tlt": tlt, "checkpoint_interval": 1, "seed": 0},
         "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "sft_steps": 150},
         "task": {"prompts_per_step": 4},
-        "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 0.0},
+        "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 1.0},
         "spec": {"threshold": 8},
         "drafter": {"warmup_steps": 10, "batch_tokens": 256},
         "grpo": {"lr": 1e-3, "micro_batch": 4},
@@ -78,6 +81,16 @@ def policy_at(out, step) -> dict[str, torch.Tensor]:
     return Transformer.from_pretrained(out / "checkpoints" / f"step_{step:06d}" / "policy").state_dict()
 
 
+def assert_moved(policy: dict[str, torch.Tensor], since: dict[str, torch.Tensor]) -> None:
+    """The run's updates were real: some weight differs from where it started."""
+    assert any(not torch.equal(policy[k], since[k]) for k in since), "the policy never changed"
+
+
+@pytest.fixture(scope="module")
+def start_policy() -> dict[str, torch.Tensor]:
+    return Transformer.from_pretrained(prepare_policy_folder(tiny_cfg())).state_dict()
+
+
 def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run):
     out, history = tlt_run
     assert [h.step for h in history] == [1, 2, 3]
@@ -86,7 +99,7 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
     assert [r["step"] for r in steps] == [1, 2, 3]
     for h in history:
         s, series = h.scalars, h.series
-        assert set(SCALAR_KEYS) <= set(s), set(SCALAR_KEYS) - set(s)
+        assert set(SCALAR_KEYS) - WHEN_MEASURED <= set(s), set(SCALAR_KEYS) - WHEN_MEASURED - set(s)
         assert set(SERIES_KEYS) <= set(series), set(SERIES_KEYS) - set(series)
         assert all(isinstance(v, float) for v in s.values())
         assert 0.0 <= s["idle/reclaimed_s"] <= s["idle/worker_s"] + 1e-9
@@ -106,20 +119,26 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
         running = series["rollout/running"]
         assert len(running["t"]) == len(running["running"]) == len(running["sd"])
     assert sum(h.scalars["spec/verify_passes"] for h in history) > 0  # SD ran in the tail
+    assert any("spec/acceptance_length" in h.scalars for h in history)
+    for h in history:  # measured, or absent: never a placeholder
+        assert ("spec/acceptance_length" in h.scalars) == (h.scalars["spec/verify_passes"] > 0)
+        assert ("drafter/loss" in h.scalars) == (h.scalars.get("drafter/updates", 0) > 0)
     kinds = {r["artifact"] for r in records if "artifact" in r}
     assert kinds == {"drafter", "policy"}
     assert (out / "policy.zip").exists()
 
 
-def test_greedy_rollouts_and_updates_are_identical_with_tlt_on_and_off(tlt_run, baseline_run):
+def test_sampled_rollouts_and_updates_are_identical_with_tlt_on_and_off(tlt_run, baseline_run, start_policy):
     (tlt_out, tlt_hist), (base_out, base_hist) = tlt_run, baseline_run
     for a, b in zip(tlt_hist, base_hist):
-        assert a.responses == b.responses, f"step {a.step}: SD changed a greedy rollout"
+        assert a.responses == b.responses, f"step {a.step}: SD changed a sampled rollout"
         assert a.rewards == b.rewards
+    assert sum(h.scalars["learner/rows_run"] for h in tlt_hist) > 0  # some groups had an advantage
     for step in range(1, STEPS + 1):
         pa, pb = policy_at(tlt_out, step), policy_at(base_out, step)
         for k in pa:
             assert torch.equal(pa[k], pb[k]), f"step {step}: {k} differs"
+    assert_moved(policy_at(tlt_out, STEPS), start_policy)
     # the baseline really was the baseline
     assert all(h.scalars["spec/verify_passes"] == 0 for h in base_hist)
     assert all(h.scalars["idle/reclaimed_s"] == 0 for h in base_hist)
@@ -138,6 +157,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tlt_run, tmp_path):
     pa, pb = policy_at(out, STEPS), policy_at(ref_out, STEPS)
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+    assert sum(h.scalars["learner/rows_run"] for h in ref_hist) > 0  # real updates (AdamW keeps moving after them)
+    assert_moved(pa, policy_at(ref_out, STEPS - 1))  # the resumed step itself updated the policy
     # every worker's SD bandit and spot-trainer optimizer went into the checkpoint it resumed from
     workers = CheckpointManager.load(ref_out / "checkpoints" / f"step_{STEPS - 1:06d}")["state"]["worker_states"]
     assert len(workers) == 2 and all(w["bandit"] is not None and w["drafter_trainer"]["optimizer"] for w in workers)
@@ -183,6 +204,23 @@ def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
             "the master drafter is not a whole update"
         assert stats["drafter/steps"] == 4 * len(submitted) == result["out"][1]
         ray.kill(coord)
+
+
+def test_the_trainer_reports_its_progress_through_every_phase(tlt_run):
+    """Tracking.progress: policy (SFT or cached), drafter warm-up, actors, then every RL step;
+    each phase's first and last update always get through the throttle."""
+    out, _ = tlt_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    progress = [r["progress"] for r in records if "progress" in r]
+    phases = [p["phase"] for p in progress]
+    assert phases[0] == "policy" and [p for i, p in enumerate(phases) if p != phases[i - 1] or i == 0] == [
+        "policy", "drafter_warmup", "actors", "rl"]
+    by_phase = {ph: [(p["done"], p["total"]) for p in progress if p["phase"] == ph] for ph in set(phases)}
+    assert by_phase["policy"][0] == (0, 150) and by_phase["policy"][-1] == (150, 150)
+    warm = tiny_cfg().drafter.warmup_prompts + tiny_cfg().drafter.warmup_steps  # answers, then steps
+    assert by_phase["drafter_warmup"][0] == (0, warm) and by_phase["drafter_warmup"][-1] == (warm, warm)
+    assert by_phase["actors"] == [(0, 2), (2, 2)]
+    assert by_phase["rl"][0] == (0, STEPS) and by_phase["rl"][-1] == (STEPS, STEPS)
 
 
 def test_the_entry_point_rejects_a_bad_config_with_exit_code_2(tmp_path, capsys, monkeypatch):
@@ -244,7 +282,6 @@ def vllm_cfg(steps: int = STEPS):
 def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in_place():
     from workers.tlt.drafter import Drafter
     from workers.tlt.ray_workers import CoordinatorImpl, RolloutWorkerImpl
-    from workers.tlt.trainer import prepare_policy_folder
 
     cfg = vllm_cfg()
     policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
@@ -280,7 +317,6 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     (with the policy's own hidden states), and the next step ships every record to the coordinator."""
     import ray.cloudpickle
 
-    from workers.tlt.grpo import token_logprobs
     from workers.tlt.ray_workers import RolloutWorkerImpl
 
     class FakeVllmWorker(RolloutWorkerImpl):
@@ -300,7 +336,8 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
         policy = Transformer.from_pretrained(trainer.policy_folder)
         policy.load_state_dict(before)
         r = recs[0]
-        _, hidden = token_logprobs(policy, r.tokens[None], return_hidden=True)
+        with torch.no_grad():
+            hidden = policy(r.tokens[None], logits=False).hidden
         torch.testing.assert_close(r.hidden.float(), hidden[0].float(), atol=2e-3, rtol=2e-3)
         assert all(res["harvested"] is False for res in trainer.last_results)
         # next step's begin_step ships all of them to the coordinator (this step's came too late)
@@ -309,3 +346,35 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     finally:
         trainer.close()
         tracking.close()
+
+
+def test_a_static_drafter_run_speculates_but_never_trains_its_drafter(ray_local, tmp_path):
+    data = tiny_cfg(steps=2).model_dump(mode="json")
+    data["drafter"]["spot_training"] = False
+    tracking = Tracking([JsonlSink(tmp_path / "metrics.jsonl")])
+    trainer = Trainer(load_config(data), tmp_path, tracking)
+    try:
+        trainer.setup()
+        warmed = {k: v.clone() for k, v in trainer.drafter_state.items()}
+        trainer.run()
+        assert sum(h.scalars["spec/verify_passes"] for h in trainer.history) > 0  # SD ran
+        assert all(h.scalars["drafter/steps"] == 0 and h.scalars["idle/reclaimed_s"] == 0 for h in trainer.history)
+        assert all(torch.equal(trainer.drafter_state[k], v) for k, v in warmed.items())  # frozen after warm-up
+    finally:
+        trainer.close()
+        tracking.close()
+
+
+def test_each_step_keeps_a_few_responses_for_the_sample_viewer(tlt_run):
+    _, history = tlt_run
+    for h in history:
+        samples = h.series["rollout/samples"]
+        assert 1 <= len(samples) <= 8 and len({s["sample"] for s in samples}) == len(samples)
+        for s in samples:
+            toks = h.responses[s["sample"]]
+            assert s["length"] == len(toks) == len(s["tokens"]) == len(s["from_draft"])
+            assert s["reward"] == h.rewards[s["sample"]] and s["prompt"].startswith("sum ")
+        lengths = [len(t) for t in h.responses]
+        assert max(lengths) in [s["length"] for s in samples]  # the longest is always shown
+    # SD ran in this run: some shown token came from an accepted draft
+    assert any(f for h in history for s in h.series["rollout/samples"] for f in s["from_draft"])

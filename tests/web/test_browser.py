@@ -117,6 +117,7 @@ def test_log_in_launch_watch_charts_fill_download_and_cancel(page, live_server, 
     downloaded = Path(download_info.value.path())
     assert hashlib.sha256(downloaded.read_bytes()).hexdigest() == hashlib.sha256(drafter.read_bytes()).hexdigest()
 
+    page.once("dialog", lambda dialog: dialog.accept())  # "Cancel ...? The job stops now"
     page.click("#cancel-button")
     page.wait_for_selector("#run-state .state-cancelled")
     run.refresh_from_db()

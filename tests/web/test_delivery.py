@@ -193,3 +193,20 @@ def test_progress_never_makes_the_trainer_wait(gate, run, run_token, tmp_path):
     assert time.monotonic() - t < 0.5 and not spool.pending()  # kept in memory, newest only
     spool.close()
     assert spool.undelivered == 0
+
+
+def test_the_trainers_setup_progress_reaches_the_platform_through_the_spool(gate, run, run_token, tmp_path, monkeypatch):
+    from workers.tlt.train import build_tracking
+
+    monkeypatch.setenv("TLT_INGEST_URL", f"{gate.url}/api/ingest/runs/{run.id}/")
+    monkeypatch.setenv("TLT_RUN_TOKEN", run_token)
+    monkeypatch.delenv("TLT_MLFLOW_TRACKING_URI", raising=False)
+    tracking = build_tracking(tmp_path)
+    assert [type(s).__name__ for s in tracking.sinks] == ["ConsoleSink", "JsonlSink", "SpoolSink"]
+    tracking.progress("policy", 120, 300, "SFT step 120/300")
+    deadline = time.monotonic() + 20
+    while not Run.objects.get(pk=run.pk).progress and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tracking.close()
+    progress = Run.objects.get(pk=run.pk).progress
+    assert (progress["phase"], progress["done"], progress["total"]) == ("policy", 120, 300)

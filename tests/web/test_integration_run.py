@@ -146,6 +146,7 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
     clone = Run.objects.get(cloned_from=run)
     wait_for(lambda: Run.objects.get(pk=clone.pk).state == "running", 300, "the clone to run",
              lambda: _diagnose(clone.id, celery_worker_proc))
+    page.once("dialog", lambda dialog: dialog.accept())  # cancel asks first
     page.click("#cancel-button")
     page.wait_for_selector("#run-state .state-cancelled")
     client = dispatch.ray_client()

@@ -18,6 +18,8 @@ def artifact(run):
     from tltweb.runs.services import metrics_record
 
     metrics_record(run=run, step=0, scalars={"reward/mean": 0.5}, series={})
+    run.log_tail = "step 0: reward=0.5\n"  # the log downloads have something to send
+    run.save(update_fields=["log_tail"])
     return artifact_store(run=run, kind="drafter", step=2, upload=SimpleUploadedFile("drafter.zip", b"PK-zip-bytes"))
 
 
@@ -30,10 +32,12 @@ PAGES = [
     ("run-clone", "post", "editor"),
     ("run-edit", "post", "editor"),
     ("run-resume", "post", "editor"),
+    ("run-log", "get", "viewer"),
+    ("run-samples", "get", "viewer"),
 ]
 API = [
     ("api-run", "get", "viewer"),
-    ("api-run", "patch", "editor"),
+    ("api-run-patch", "patch", "editor"),
     ("api-run-metrics", "get", "viewer"),
     ("api-run-metrics-step", "get", "viewer"),
     ("api-run-artifacts", "get", "viewer"),
@@ -41,6 +45,8 @@ API = [
     ("api-run-cancel", "post", "editor"),
     ("api-run-clone", "post", "editor"),
     ("api-run-resume", "post", "editor"),
+    ("api-run-log", "get", "viewer"),
+    ("api-run-samples", "get", "viewer"),
 ]
 RANK = {"viewer": 1, "editor": 2, "owner": 3}
 
@@ -144,9 +150,9 @@ def test_run_pages_redirect_anonymous_users_to_login(client, run, artifact):
         assert resp.status_code == 302
 
 
-@pytest.mark.parametrize("name,method", [("api-runs", "get"), ("api-runs", "post")] + [(n, m) for n, m, _ in API])
+@pytest.mark.parametrize("name,method", [("api-runs", "get"), ("api-runs-launch", "post")] + [(n, m) for n, m, _ in API])
 def test_api_rejects_anonymous_and_wrong_tokens_with_401(client, run, artifact, name, method):
-    url = reverse(name) if name == "api-runs" else _url(name, run, artifact)
+    url = reverse(name) if name in ("api-runs", "api-runs-launch") else _url(name, run, artifact)
     before = _snapshot(run)
     for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer tlt_not-a-token"}, {"HTTP_AUTHORIZATION": "Basic YWxpY2U6eA=="}):
         resp = _call(client, method, url, **headers)
@@ -169,7 +175,7 @@ def test_every_url_is_in_the_matrix():
 
     names = {name for name in get_resolver().reverse_dict if isinstance(name, str)}
     run_scoped = {n for n in names if n.startswith(("run-", "api-run", "artifact-", "api-artifact"))}
-    unscoped = {"run-list", "run-launch", "run-compare", "api-runs"}
+    unscoped = {"run-list", "run-launch", "run-compare", "api-runs", "api-runs-launch"}
     assert run_scoped - unscoped == {n for n, _, _ in PAGES} | {n for n, _, _ in API}
 
 

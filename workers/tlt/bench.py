@@ -1,26 +1,34 @@
 """Benchmarks that print the headline TLT figures; the LAST stdout line is one JSON object.
 
-    python -m workers.tlt.bench e2e [--preset tiny-cpu|smollm2-cpu] [--steps N] [--out DIR]
+    python -m workers.tlt.bench e2e [--preset smollm2-mathmix-cpu|tiny-cpu|smollm2-cpu] [--steps N]
+                                    [--static-drafter | --no-static-drafter] [--out DIR]
                                     [--set drafter.warmup_steps=800 ...]   # preset overrides
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
 
-e2e trains the same config twice in one invocation, same seed, on the same machine and Ray
-instance: the baseline (run.tlt false: no SD, no spot training) and TLT. It reports
+e2e trains the same config, same seed, in one invocation on the same machine and Ray instance, as
+two or three arms: the baseline (run.tlt false: no SD, no spot training), TLT, and (with
+--static-drafter, the default for presets that list it) TLT with the drafter frozen after its
+warm-up (the paper's stale-drafter control). Sampling is keyed by (seed, sample, position), so
+the arms draw the same responses (up to float rounding) and their learners do the same work: the
+step-time ratio is TLT's own effect. It reports
 
     e2e_speedup          baseline mean step time / TLT mean step time
-    rollout_share        rollout time / step time in the baseline (the part TLT can shrink)
-    rollout_speedup      baseline / TLT mean rollout time: TLT's own effect, free of the learner's
-                         cost, which varies with the rewards (zero-advantage groups are skipped)
+    rollout_share        rollout time / step time in the baseline (the part TLT can shrink): r
+    rollout_speedup      baseline / TLT mean rollout time: s
+    amdahl_bound         1 / ((1 - r) + r / s): the end-to-end speedup a rollout speedup s allows
+    e2e_efficiency       e2e_speedup / amdahl_bound (1: TLT costs nothing outside the rollout)
     idle_reclaimed_frac  idle worker-seconds used for drafter training, TLT run
-    acceptance_length    mean tokens per verify pass while SD was on, TLT run
-    acceptance_by_step   the same per step (it should rise as spot training adapts the drafter)
-    reward_tlt / reward_baseline   mean reward of each run (same curves expected)
-    profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), both runs
+    acceptance_length    mean tokens per verify pass while SD was on, TLT run (and per step; and
+                         *_static for the frozen drafter)
+    reward_by_step_*     each arm's reward curve; reward_rise_* = mean of the last fifth of the
+                         steps minus the first fifth's
+    profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), every arm
     setup_s / wall_s     one-off costs outside the steps (policy, drafter warm-up, actors); whole runs
-    loadavg_start/_end   the machine's load: figures from a shared machine are only as good as this
+    cpu, loadavg_*       the machine: figures from a shared machine are only as good as its load
 
-The baseline is the strong one: the same engine and batching (finished rows leave the batch), SD
-and spot training off. Step means skip the first step (one-off warm-up costs).
+The baseline is the strong one: the same engine and batching (finished rows leave the batch),
+SD and spot training off. Step means skip the first step (one-off warm-up costs). Progress, with
+an ETA, goes to stderr.
 
 Benchmarks measure; tests check correctness, never timings.
 """
@@ -39,16 +47,46 @@ from typing import Any
 
 log = logging.getLogger("workers.tlt.bench")
 
+# presets whose e2e runs the static-drafter arm unless told otherwise (it costs a third run)
+STATIC_BY_DEFAULT = {"smollm2-mathmix-cpu"}
+ARMS = {  # arm -> config overrides on top of the preset
+    "baseline": {"run": {"tlt": False}},
+    "tlt": {"run": {"tlt": True}},
+    "static": {"run": {"tlt": True}, "drafter": {"spot_training": False}},
+}
+
 
 # --- e2e --------------------------------------------------------------------------------------
 
 
-def _train(cfg, out: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
+class _Eta:
+    """A metrics sink that prints one progress line per step to stderr, with an ETA for the bench."""
+
+    def __init__(self, arm: str, steps: int, total_steps: int, done_before: int, started: float):
+        self.arm, self.steps, self.total, self.done, self.started = arm, steps, total_steps, done_before, started
+
+    def log(self, step: int, scalars: dict[str, float], series: dict[str, Any]) -> None:
+        self.done += 1
+        per_step = (time.perf_counter() - self.started) / self.done  # setups included: an honest ETA
+        eta = per_step * (self.total - self.done)
+        print(f"[bench e2e] {self.arm} step {step}/{self.steps}: reward {scalars.get('reward/mean', 0):.3f}, "
+              f"{scalars.get('timing_s/step', 0):.1f} s (rollout {scalars.get('timing_s/rollout', 0):.1f} s), "
+              f"acceptance {scalars.get('spec/acceptance_length', 0):.2f}; ETA {eta / 60:.1f} min",
+              file=sys.stderr, flush=True)
+
+    def artifact(self, kind: str, step: int, path: Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _train(cfg, out: Path, eta: _Eta) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Run one config; returns every step's scalars and the setup seconds (policy, drafter_warmup, actors)."""
-    from .metrics import ConsoleSink, JsonlSink, Tracking
+    from .metrics import JsonlSink, Tracking
     from .trainer import Trainer
 
-    tracking = Tracking([ConsoleSink(), JsonlSink(out / "metrics.jsonl")])
+    tracking = Tracking([eta, JsonlSink(out / "metrics.jsonl")])
     trainer = Trainer(cfg, out, tracking)
     try:
         trainer.setup()
@@ -64,12 +102,26 @@ def _mean(rows: list[dict[str, float]], key: str, skip: int = 0) -> float:
     return float(sum(vals) / len(vals)) if vals else 0.0
 
 
+def _fifths(curve: list[float]) -> tuple[float, float]:
+    """Means of the first and the last fifth of a curve (at least one point each)."""
+    k = max(1, len(curve) // 5)
+    return sum(curve[:k]) / k, sum(curve[-k:]) / k
+
+
+def amdahl_bound(rollout_share: float, rollout_speedup: float) -> float:
+    """1 / ((1 - r) + r / s): the end-to-end speedup a rollout speedup s allows when rollout is r of a step."""
+    if rollout_speedup <= 0:
+        return 0.0
+    return 1.0 / ((1.0 - rollout_share) + rollout_share / rollout_speedup)
+
+
 def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dict[str, Any]] | None = None,
-        warm_skip: int = 1) -> dict[str, Any]:
-    """Baseline then TLT on one Ray instance; returns the figures (see the module doc)."""
+        warm_skip: int = 1, static: bool | None = None) -> dict[str, Any]:
+    """The arms on one Ray instance; returns the figures (see the module doc)."""
     import ray
 
     from .config import load_config, preset
+    from .linear import cpu_flags, cpu_name
     from .trainer import ensure_ray
 
     base = preset(preset_name, overrides)
@@ -77,15 +129,20 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     if steps is not None:
         data["run"]["steps"] = steps
     data["run"]["checkpoint_interval"] = 0
+    arms = ["baseline", "tlt"] + (["static"] if (preset_name in STATIC_BY_DEFAULT if static is None else static) else [])
+    n_steps = data["run"]["steps"]
     load_start = os.getloadavg()
     started = ensure_ray(num_cpus=max(data["rollout"]["num_workers"], os.cpu_count() or 1))
+    t_bench = time.perf_counter()
     try:
         runs, setup, wall = {}, {}, {}
-        for name, tlt in (("baseline", False), ("tlt", True)):
+        for i, name in enumerate(arms):
             d = json.loads(json.dumps(data))
-            d["run"]["tlt"] = tlt
+            for section, values in ARMS[name].items():
+                d[section].update(values)
             t = time.perf_counter()
-            runs[name], setup[name] = _train(load_config(d), out / name)
+            eta = _Eta(name, n_steps, n_steps * len(arms), i * n_steps, t_bench)
+            runs[name], setup[name] = _train(load_config(d), out / name, eta)
             wall[name] = time.perf_counter() - t
             log.info("%s: %d steps in %.1fs (setup %s)", name, len(runs[name]), wall[name],
                      {k: round(v, 1) for k, v in setup[name].items()})
@@ -96,46 +153,69 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     skip = warm_skip if len(b) > warm_skip else 0  # the first step pays one-off warm-up costs
     base_step, tlt_step = _mean(b, "timing_s/step", skip), _mean(t, "timing_s/step", skip)
     base_roll, tlt_roll = _mean(b, "timing_s/rollout", skip), _mean(t, "timing_s/rollout", skip)
+    e2e_speedup = base_step / tlt_step if tlt_step > 0 else 0.0
+    share = base_roll / base_step if base_step > 0 else 0.0
+    rollout_speedup = base_roll / tlt_roll if tlt_roll > 0 else 0.0
+    bound = amdahl_bound(share, rollout_speedup)
     # where the step time goes (mean seconds per step, after the skipped warm-up steps)
     phases = ("sync", "rollout", "reward", "learner", "buffer")
-    profile = {name: {p: round(_mean(rows, f"timing_s/{p}", skip), 4) for p in phases}
-               for name, rows in runs.items()}
+    profile = {name: {p: round(_mean(rows, f"timing_s/{p}", skip), 4) for p in phases} for name, rows in runs.items()}
     for name, rows in runs.items():
         profile[name]["rollout_tail"] = round(_mean(rows, "rollout/tail_s", skip), 4)
-    return {
+    curves = {name: [round(r["reward/mean"], 4) for r in rows] for name, rows in runs.items()}
+    acceptance = {name: [round(r.get("spec/acceptance_length", 0.0), 3) for r in rows] for name, rows in runs.items()}
+    result: dict[str, Any] = {
         "bench": "e2e",
         "preset": preset_name,
+        "arms": arms,
         "steps": len(t),
+        "cpu": cpu_name(),
+        "cpu_flags": cpu_flags(),
+        "cpus": os.cpu_count(),
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-        "cpus": os.cpu_count(),
-        "e2e_speedup": base_step / tlt_step if tlt_step > 0 else 0.0,
+        "e2e_speedup": e2e_speedup,
         "step_s_baseline": base_step,
         "step_s_tlt": tlt_step,
-        "rollout_share": base_roll / base_step if base_step > 0 else 0.0,
+        "rollout_share": share,
         "rollout_share_tlt": tlt_roll / tlt_step if tlt_step > 0 else 0.0,
-        "rollout_speedup": base_roll / tlt_roll if tlt_roll > 0 else 0.0,
+        "rollout_speedup": rollout_speedup,
+        "amdahl_bound": bound,
+        "e2e_efficiency": e2e_speedup / bound if bound > 0 else 0.0,
         "idle_reclaimed_frac": (sum(r["idle/reclaimed_s"] for r in t) / max(sum(r["idle/worker_s"] for r in t), 1e-9)),
         "idle_worker_s_tlt": sum(r["idle/worker_s"] for r in t),
         "acceptance_length": _mean(t, "spec/acceptance_length"),
-        "acceptance_by_step": [round(r.get("spec/acceptance_length", 0.0), 3) for r in t],
+        "acceptance_by_step": acceptance["tlt"],
         "tail_tokens_per_s_sd": _mean(t, "rollout/tail_tokens_per_s_sd"),
         "tail_tokens_per_s_no_sd": _mean(b, "rollout/tail_tokens_per_s_no_sd"),
         "reward_tlt": _mean(t, "reward/mean"),
         "reward_baseline": _mean(b, "reward/mean"),
-        "reward_by_step_tlt": [round(r["reward/mean"], 4) for r in t],
-        "reward_by_step_baseline": [round(r["reward/mean"], 4) for r in b],
+        "logprob_mismatch_max_tlt": max((r.get("rollout/logprob_mismatch_max", 0.0) for r in t), default=0.0),
         "drafter_steps_tlt": sum(r.get("drafter/steps", 0.0) for r in t),
         "drafter_accuracy_by_step": [round(r.get("drafter/accuracy", 0.0), 3) for r in t],
         "drafter_updates_tlt": sum(r.get("drafter/updates", 0.0) for r in t),
         "drafter_dropped_updates_tlt": sum(r.get("drafter/dropped_updates", 0.0) for r in t),
-        "len_max_by_step": [int(r.get("rollout/len_max", 0)) for r in t],
+        "len_p50_by_step": [int(r.get("rollout/len_p50", 0)) for r in b],
+        "len_max_by_step": [int(r.get("rollout/len_max", 0)) for r in b],
         "profile_s": profile,
-        # one-off costs outside the steps: the SFT'd policy (cached after the first run), the TLT
-        # drafter's offline warm-up, actor start; and each run's whole wall time, setup included
-        "setup_s": {name: {k: round(v, 2) for k, v in s.items()} for name, s in setup.items()},
+        # one-off costs outside the steps: the policy (cached after the first run), the TLT
+        # drafter's offline warm-up (cached too), actor start; and each arm's whole wall time
+        "setup_s": {name: {k: round(v, 2) for k, v in st.items()} for name, st in setup.items()},
         "wall_s": {name: round(v, 1) for name, v in wall.items()},
+        "bench_s": round(time.perf_counter() - t_bench, 1),
     }
+    for name in arms:
+        first, last = _fifths(curves[name])
+        result[f"reward_by_step_{name}"] = curves[name]
+        result[f"reward_rise_{name}"] = round(last - first, 4)
+    if "static" in arms:
+        s_rows = runs["static"]
+        result["acceptance_length_static"] = _mean(s_rows, "spec/acceptance_length")
+        result["acceptance_by_step_static"] = acceptance["static"]
+        result["acceptance_last_fifth_tlt"] = round(_fifths(acceptance["tlt"])[1], 3)
+        result["acceptance_last_fifth_static"] = round(_fifths(acceptance["static"])[1], 3)
+        result["step_s_static"] = _mean(s_rows, "timing_s/step", skip)
+    return result
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -155,7 +235,7 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 def cmd_e2e(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlt-bench-e2e-"))
-    result = e2e(args.preset, args.steps, out, overrides=parse_overrides(args.set))
+    result = e2e(args.preset, args.steps, out, overrides=parse_overrides(args.set), static=args.static_drafter)
     result["out"] = str(out)
     print(json.dumps(result), flush=True)
     return 0
@@ -187,11 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.tlt.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("e2e", help="end-to-end RL steps: TLT vs baseline, same seed")
-    p.add_argument("--preset", default="tiny-cpu", choices=["tiny-cpu", "smollm2-cpu"])
+    p.add_argument("--preset", default="smollm2-mathmix-cpu",
+                   choices=["smollm2-mathmix-cpu", "tiny-cpu", "smollm2-cpu"])
     p.add_argument("--steps", type=int, help="RL steps per run (default: the preset's)")
     p.add_argument("--out", help="folder for both runs' metrics (default: a temp folder)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a preset field for both runs (repeatable), e.g. drafter.warmup_steps=800")
+                   help="override a preset field for every arm (repeatable), e.g. drafter.warmup_steps=800")
+    p.add_argument("--static-drafter", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run TLT with the drafter frozen after warm-up (default: on for "
+                        f"{', '.join(sorted(STATIC_BY_DEFAULT))})")
     p.set_defaults(func=cmd_e2e)
     add_rollout_parser(sub)
     args = parser.parse_args(argv)

@@ -35,12 +35,9 @@ Needs only torch, transformers, safetensors, tokenizers and this package (no Ray
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
-import math
 import os
-import platform
 import random
 import sys
 import time
@@ -50,7 +47,6 @@ from typing import Any
 log = logging.getLogger("workers.tlt.bench_rollout")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CACHE_VERSION = 2  # bump when the training recipe changes, so cached drafters are retrained
 
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
     "smollm2": dict(max_new_tokens=256, train_prompts=1920, train_steps=1800, batch_tokens=1536, lr=1e-3,
@@ -71,33 +67,12 @@ def _dtype(name: str):
 
 
 def _tiny_folder(args: argparse.Namespace) -> Path:
-    """The SFT'd tiny policy: the trainer's cached one (tiny-cpu preset) if present, else train one."""
+    """The SFT'd tiny policy of the tiny-cpu preset (the trainer's cached one), or with --sft-steps."""
     from .config import preset  # pydantic: only the tiny path needs it
+    from .policies import prepare_policy_folder
 
-    cfg = preset("tiny-cpu")
-    m = cfg.model
-    sft_steps = args.sft_steps if args.sft_steps is not None else m.sft_steps
-    if args.sft_steps is None:  # same key as trainer.tiny_model_key (kept import-free of Ray)
-        data = {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv": m.num_kv_heads,
-                "sft_steps": m.sft_steps, "seed": cfg.run.seed, "task": cfg.task.kind, "v": 1}
-        key = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
-        models = Path(os.environ.get("TLT_MODEL_CACHE") or REPO_ROOT / "var" / "models")
-        folder = models / f"tiny-{key}"
-        if (folder / "model.safetensors").exists():
-            return folder
-    folder = Path(args.cache_dir) / f"tiny-sft{sft_steps}-seed{cfg.run.seed}"
-    if (folder / "model.safetensors").exists():
-        return folder
-    from .sft import train_tiny_longtail
-
-    log.info("training the tiny policy (%d SFT steps) into %s", sft_steps, folder)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    train_tiny_longtail(m, sft_steps, out=tmp, seed=cfg.run.seed)
-    try:
-        tmp.rename(folder)
-    except OSError:
-        pass
-    return folder
+    overrides = {"model": {"sft_steps": args.sft_steps}} if args.sft_steps is not None else None
+    return prepare_policy_folder(preset("tiny-cpu", overrides))
 
 
 def load_policy(args: argparse.Namespace):
@@ -123,144 +98,22 @@ def load_policy(args: argparse.Namespace):
 
 # --- the adapted drafter --------------------------------------------------------------------------
 
-def _cache_key(folder: Path, args: argparse.Namespace, training: bool = True) -> str:
-    """Key of the cached training answers (training=False) or of the drafter trained on them."""
-    st = [(f.name, f.stat().st_size) for f in sorted(folder.glob("*.safetensors"))]
-    data = {"model": args.model, "folder": folder.name, "weights": st,
-            "config": json.loads((folder / "config.json").read_text()), "dtype": args.dtype,
-            "train_prompts": args.train_prompts, "train_seed": args.train_seed,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.train_temperature}
-    if training:
-        data |= {"steps": args.train_steps, "batch_tokens": args.batch_tokens, "lr": args.lr,
-                 "train_vocab": args.train_vocab, "token_weight": args.token_weight, "v": CACHE_VERSION}
-        if args.unroll > 1:  # keys of plain-EAGLE drafters stay what they were
-            data["unroll"] = args.unroll
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
+    """The drafter adapted to the policy by the product's own warm-up recipe (drafter_warmup.py) on
+    the policy's answers to training prompts; cached under --cache-dir."""
+    from types import SimpleNamespace
 
-
-def _lr_at(step: int, total: int, base: float, warmup: int) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def _generate_pairs(model, prompts, args, eos, seed: int):
-    """The policy's own responses with harvested hidden states: [(tokens, hidden [L, H], prompt_len)]."""
-    from .rollout import generate
+    from .drafter_warmup import warmup_drafter, weights_digest
     from .sampling import SamplingParams
 
-    out = []
-    params = SamplingParams(temperature=args.train_temperature)
-    for i in range(0, len(prompts), args.gen_batch):
-        chunk = prompts[i:i + args.gen_batch]
-        t = time.perf_counter()
-        res = generate(model, chunk, params, max_new_tokens=args.max_new_tokens, eos_ids=eos, seed=seed + i,
-                       harvest_hidden=True, hidden_dtype=_dtype("float32"))
-        for p, toks, hid in zip(chunk, res.tokens, res.hidden):
-            seq = list(p) + list(toks)
-            out.append((seq[:hid.shape[0]], hid, len(p)))  # hidden[i] pairs with token i + 1
-        log.info("generated %d/%d training responses (%d tokens, %.1f s)", min(i + args.gen_batch, len(prompts)),
-                 len(prompts), res.metrics.total_tokens, time.perf_counter() - t)
-    return out
-
-
-def _training_pairs(model, task, folder: Path, args: argparse.Namespace, eos):
-    """The policy's answers to the training prompts, generated once and cached (they take most of
-    the adaptation time, and a different training recipe can reuse them)."""
-    import torch
-
-    path = Path(args.cache_dir) / f"answers-{args.model}-{_cache_key(folder, args, training=False)}.pt"
-    if not args.retrain and path.exists():
-        pairs = torch.load(path)
-        log.info("loaded %d training responses from %s", len(pairs), path)
-        return pairs
-    prompts = [p.ids for p in task.sample_prompts(args.train_prompts, random.Random(args.train_seed))]
-    pairs = _generate_pairs(model, prompts, args, eos, seed=args.train_seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(pairs, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-    return pairs
-
-
-def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
-    """Train (or load from the cache) the drafter on the policy's answers to training prompts."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from .buffer import DrafterBuffer
-    from .drafter import Drafter
-    from .drafter_train import drafter_loss
-
-    V = model.config.vocab_size
-    cache = Path(args.cache_dir) / f"drafter-{args.model}-{_cache_key(folder, args)}"
-    drafter = Drafter.for_target(model)
-    if not args.retrain and (cache / "info.json").exists():
-        drafter.load_state_dict({k: v.to(model.device, model.dtype) for k, v in
-                                 load_file(str(cache / "drafter.safetensors")).items()})
-        drafter.token_counts = load_file(str(cache / "token_counts.safetensors"))["counts"]
-        info = json.loads((cache / "info.json").read_text())
-        log.info("loaded the adapted drafter from %s (trained %d steps, top-1 %.3f)", cache, info["steps"],
-                 info["train_top1"])
-        return drafter.eval(), {**info, "cached": True, "cache": str(cache)}
-
-    t0 = time.perf_counter()
-    pairs = _training_pairs(model, task, folder, args, eos)
-    gen_s = time.perf_counter() - t0
-    counts = torch.zeros(V, dtype=torch.float64)
-    buf = DrafterBuffer(max_tokens=10 ** 9)
-    for toks, hid, plen in pairs:
-        counts += torch.bincount(torch.tensor(toks[plen:], dtype=torch.long), minlength=V).double()[:V]
-        buf.add(toks, hid, response_start=plen, step=0)
-    sub = None  # the training vocabulary of the soft cross-entropy (None: all)
-    if args.train_vocab and args.train_vocab < V:
-        from .speculative import draft_vocab_ids
-
-        sub = draft_vocab_ids(counts, args.train_vocab, eos).to(model.device)
-    n_resp = int(sum(len(t) - p for t, _, p in pairs))
-    log.info("training the drafter: %d responses, %d response tokens, %d steps of %d tokens", len(pairs), n_resp,
-             args.train_steps, args.batch_tokens)
-
-    drafter.train()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = random.Random(args.train_seed)
-    step, t1 = 0, time.perf_counter()
-    accs: list[tuple[float, int]] = []
-    warm = max(1, args.train_steps // 20)
-    while step < args.train_steps:
-        for batch in buf.batches(args.batch_tokens, rng):
-            if step >= args.train_steps:
-                break
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, args.train_steps, args.lr, warm)
-            loss, m = drafter_loss(drafter, batch, token_weight=args.token_weight, vocab=sub, unroll=args.unroll)
-            acc, n = m["accuracy"], m["tokens"]
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            accs.append((acc, n))
-            step += 1
-            if step % 25 == 0 or step == args.train_steps:
-                recent = accs[-25:]
-                later = " ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("accuracy_"))
-                log.info("drafter step %d/%d  loss %.4f  top-1 %.3f %s (%.2f s/step)", step, args.train_steps,
-                         loss.item(), sum(a * n for a, n in recent) / max(1, sum(n for _, n in recent)), later,
-                         (time.perf_counter() - t1) / step)
-    drafter.eval()
-    last = accs[-max(1, len(accs) // 10):]
-    info = {"steps": step, "train_top1": sum(a * n for a, n in last) / max(1, sum(n for _, n in last)),
-            "train_responses": len(pairs), "train_response_tokens": n_resp, "generate_s": round(gen_s, 1),
-            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": args.train_vocab, "unroll": args.unroll}
-    drafter.token_counts = counts.float()
-    cache.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
-              str(cache / "drafter.safetensors"))
-    save_file({"counts": drafter.token_counts.contiguous()}, str(cache / "token_counts.safetensors"))
-    (cache / "info.json").write_text(json.dumps(info, indent=2))
-    log.info("drafter trained in %.0f s, cached in %s", time.perf_counter() - t0, cache)
-    return drafter, {**info, "cached": False, "cache": str(cache)}
+    recipe = SimpleNamespace(  # the fields of config.DrafterSection the recipe reads (no pydantic here)
+        warmup_prompts=args.train_prompts, warmup_steps=args.train_steps, warmup_max_new_tokens=args.max_new_tokens,
+        warmup_lr=args.lr, warmup_batch_tokens=args.batch_tokens, train_vocab=args.train_vocab,
+        hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll)
+    drafter, info = warmup_drafter(model, task, recipe, sampling=SamplingParams(temperature=args.train_temperature),
+                                   policy_key=weights_digest(folder), max_new_tokens=args.max_new_tokens,
+                                   seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain)
+    return drafter, info
 
 
 def heldout_top1(drafter, seqs, draft_ids) -> dict[str, float]:
@@ -481,7 +334,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result.update(whole_rollout(model, drafter, held, args, eos))
     result.update({f"drafter_{k}": v for k, v in info.items()})
     result.update({f"drafter_{k}": v for k, v in top1.items()})
-    result.update({"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+    from .linear import chosen_kernels, cpu_flags, cpu_name
+
+    result.update({"torch": torch.__version__, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
+                   "kernels": chosen_kernels(model),
                    "loadavg_start": [round(x, 2) for x in load0],
                    "loadavg_end": [round(x, 2) for x in os.getloadavg()], "bench_s": round(time.perf_counter() - t0, 1)})
     return result

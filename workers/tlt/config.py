@@ -11,10 +11,13 @@ its range; a bad value fails with an error that names the field (`spec.threshold
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from . import spec_defaults
 
 
 class ConfigError(ValueError):
@@ -63,13 +66,16 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    kind: Literal["longtail", "math", "jsonl"] = Field(
+    kind: Literal["longtail", "math", "mathmix", "jsonl"] = Field(
         "longtail",
-        description="longtail: built-in reasoning task with long-tailed solution lengths; "
-        "math: generated word problems; jsonl: your file of {prompt, answer} lines.",
+        description="longtail: built-in reasoning task with long-tailed solution lengths (tiny model); "
+        "math: generated word problems; mathmix: one-step drills mixed with word problems (short answers "
+        "that RL improves, a long tail of rambling ones); jsonl: your file of {prompt, answer} lines.",
     )
     path: str = Field("", description="JSONL file when kind is jsonl.")
     prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per RL step.")
+    hard_fraction: float = Field(0.5, ge=0.0, le=1.0,
+                                 description="mathmix: share of each step's prompts that are word problems.")
 
     @model_validator(mode="after")
     def _check(self) -> "TaskSection":
@@ -81,7 +87,8 @@ class TaskSection(_Section):
 class RolloutSection(_Section):
     engine: Literal["builtin", "vllm"] = Field("builtin", description="builtin: PyTorch reference engine; vllm: GPU nodes.")
     num_workers: int = Field(2, ge=1, le=1024, description="Rollout workers (Ray actors), one GPU or one CPU each.")
-    samples_per_prompt: int = Field(4, ge=1, le=256, description="GRPO group size n.")
+    samples_per_prompt: int = Field(
+        4, ge=2, le=256, description="GRPO group size n (>= 2: advantages are relative to the group).")
     max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")
     temperature: float = Field(1.0, ge=0.0, le=5.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -94,17 +101,19 @@ class RolloutSection(_Section):
 
 
 class SpecSection(_Section):
-    threshold: int = Field(32, ge=1, le=4096, description="SD switches on when running sequences drop to this.")
-    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="Bandit exploration probability.")
-    buckets: list[int] = Field([1, 4, 20], description="Upper batch sizes of the bandit buckets (last bucket is open).")
-    window: int = Field(16, ge=1, le=1024, description="Rewards kept per arm for the median.")
+    threshold: int = Field(spec_defaults.THRESHOLD, ge=1, le=4096,
+                           description="SD switches on when running sequences drop to this.")
+    epsilon: float = Field(spec_defaults.EPSILON, ge=0.0, le=1.0, description="Bandit exploration probability.")
+    buckets: list[int] = Field(list(spec_defaults.BUCKETS),
+                               description="Upper batch sizes of the bandit buckets (last bucket is open).")
+    window: int = Field(spec_defaults.WINDOW, ge=1, le=1024, description="Rewards kept per arm for the median.")
     strategies: list[tuple[int, int, int]] = Field(
-        [(4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16)],
+        list(spec_defaults.STRATEGIES),
         description="Arms as (draft depth, top-k branching, tokens verified per pass); top-k 1 is a chain.",
     )
-    ngram_arm: bool = Field(True, description="Also try an n-gram drafter over sibling responses.")
+    ngram_arm: bool = Field(spec_defaults.NGRAM_ARM, description="Also try an n-gram drafter over sibling responses.")
     draft_vocab: int = Field(
-        0, ge=0, le=1_000_000,
+        spec_defaults.DRAFT_VOCAB, ge=0, le=1_000_000,
         description="Reduced draft vocabulary (FR-Spec): the EAGLE drafter scores only the N most frequent token "
                     "ids of its training data (plus EOS) when drafting, which makes each draft step much cheaper "
                     "for large vocabularies; still lossless (verification uses the target's full distribution). "
@@ -122,10 +131,22 @@ class SpecSection(_Section):
 
 
 class DrafterSection(_Section):
-    lr: float = Field(3e-4, gt=0, le=1.0, description="Drafter AdamW learning rate.")
-    warmup_steps: int = Field(200, ge=0, le=100_000, description="Offline warm-up steps on the model's own generations.")
+    lr: float = Field(3e-4, gt=0, le=1.0, description="Spot-training AdamW learning rate.")
+    spot_training: bool = Field(
+        True, description="Train the drafter on idle workers during RL (TLT). Off: the warmed-up drafter stays "
+                          "frozen (the stale-drafter control).")
+    warmup_steps: int = Field(200, ge=0, le=100_000, description="Offline warm-up steps on the policy's own answers.")
     warmup_prompts: int = Field(64, ge=1, le=100_000,
                                 description="Prompts the starting policy answers for the offline warm-up (its training data).")
+    warmup_max_new_tokens: int = Field(256, ge=1, le=65_536,
+                                       description="Length cap of the warm-up answers (the start of a runaway answer "
+                                                   "teaches as much as its end, at a fraction of the decode time).")
+    warmup_lr: float = Field(1e-3, gt=0, le=1.0, description="Peak warm-up learning rate (linear warm-up, cosine decay).")
+    warmup_batch_tokens: int = Field(1536, ge=16, description="Padded tokens per warm-up step.")
+    train_vocab: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Soft cross-entropy over the N most frequent tokens of the warm-up answers (plus EOS), in the "
+                    "warm-up and in spot training: the LM head's cost shrinks with it (0: the whole vocabulary).")
     batch_tokens: int = Field(2048, ge=16, description="Tokens per spot-training micro-batch.")
     spot_update_steps: int = Field(
         4, ge=1, le=1000,
@@ -148,7 +169,14 @@ class GRPOSection(_Section):
     clip_eps: float = Field(0.2, gt=0, le=1.0, description="PPO ratio clip.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to a frozen reference (0: no reference model).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    micro_batch: int = Field(8, ge=1, description="Sequences per learner forward.")
+    mini_batches: int = Field(
+        1, ge=1, le=1024,
+        description="Optimizer steps per RL step: the step's prompt groups are split into this many "
+                    "mini-batches (verl's ppo_mini_batch); from the second one the PPO clip bounds the ratio.")
+    micro_batch: int = Field(8, ge=1, description="Most sequences per learner forward.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, le=10_000_000,
+        description="Most padded tokens per learner forward (rows longer than this run alone).")
 
 
 class TLTConfig(_Section):
@@ -161,6 +189,13 @@ class TLTConfig(_Section):
     spec: SpecSection = SpecSection()
     drafter: DrafterSection = DrafterSection()
     grpo: GRPOSection = GRPOSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TLTConfig":
+        if self.task.prompts_per_step < self.rollout.num_workers:
+            raise ValueError(f"task.prompts_per_step: {self.task.prompts_per_step} prompts cannot feed "
+                             f"rollout.num_workers = {self.rollout.num_workers} workers (each needs one)")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -181,6 +216,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         # make a whole update (4 steps) fit the short idle windows of a CPU run
         "drafter": {"lr": 2e-3, "warmup_steps": 4000, "warmup_prompts": 256, "batch_tokens": 512},
         "grpo": {"lr": 5e-5, "micro_batch": 16},
+    },
+    # The headline: a real pretrained model on a reasoning task with RL's long tail (most answers a
+    # few tokens, a few rambling to the 1024-token limit), sized for 2 CPU cores; the e2e bench's default.
+    "smollm2-mathmix-cpu": {
+        "run": {"steps": 20, "checkpoint_interval": 5},
+        "model": {"source": "smollm2-135m"},
+        "task": {"kind": "mathmix", "prompts_per_step": 8, "hard_fraction": 0.25},
+        "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 1024, "temperature": 0.7},
+        # the tail runs at <= 4 rows per worker for most of the rollout (the drills are done in ~20 tokens)
+        "spec": {"threshold": 4, "strategies": [(4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096},
+        # warm-up: 512 answers cut at 256 tokens, a training vocabulary of the 8192 most frequent tokens
+        # (a 49k-word LM head per training token would cost more than the rest of the drafter);
+        # spot updates of one step of 512 tokens fit the idle windows of a CPU run
+        "drafter": {"warmup_prompts": 512, "warmup_steps": 800, "warmup_max_new_tokens": 256, "train_vocab": 8192,
+                    "lr": 3e-4, "batch_tokens": 512, "spot_update_steps": 1},
+        "grpo": {"lr": 1e-5, "micro_batch": 8, "micro_batch_tokens": 4096},
     },
     "smollm2-cpu": {
         "run": {"steps": 4},
@@ -219,9 +270,16 @@ def load_config(data: str | dict[str, Any]) -> TLTConfig:
     try:
         return TLTConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(
-            {".".join(str(p) for p in err["loc"]) or "config": err["msg"] for err in exc.errors()}
-        ) from exc
+        raise ConfigError(dict(_field_error(err) for err in exc.errors())) from exc
+
+
+def _field_error(err: dict[str, Any]) -> tuple[str, str]:
+    """(dotted field, message); a whole-config check names its field as "section.field: ..."."""
+    field, msg = ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+    head, sep, rest = msg.partition(": ")
+    if not field and sep and re.fullmatch(r"[a-z_]+\.[a-z_]+", head):
+        return head, rest
+    return field or "config", msg
 
 
 def preset(name: str, overrides: dict[str, Any] | None = None) -> TLTConfig:

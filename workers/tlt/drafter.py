@@ -29,9 +29,10 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, input_norm=False)])
         # shared, frozen target parts; kept out of state_dict so checkpoints hold only our weights
         self._target: tuple[Transformer, ...] = (target,) if target is not None else ()
-        # optional [V] token frequencies of the drafter's training data (not a weight, not exported):
-        # rollout.SpecPolicy(draft_vocab=N) drafts over the N most frequent ids by these counts
-        self.token_counts: Tensor | None = None
+        # [V] token frequencies of the drafter's training data (zeros: unknown). Not a weight and not
+        # exported, but in state_dict, so it travels with the drafter to every worker and checkpoint:
+        # the reduced draft vocabulary (spec.draft_vocab) and spot training's vocabulary come from it
+        self.register_buffer("token_counts", torch.zeros(cfg.vocab_size), persistent=True)
 
     @classmethod
     def for_target(cls, target: Transformer, seed: int = 0) -> "Drafter":
@@ -42,16 +43,22 @@ class Drafter(nn.Module):
         torch.random.set_rng_state(gen_state)
         return drafter.to(device=target.device, dtype=target.dtype)
 
-    def attach(self, target: Transformer) -> "Drafter":
-        """Point at a (new copy of the) target whose embedding and LM head we share."""
-        self._target = (target,)
-        return self
-
     @property
     def target(self) -> Transformer:
         if not self._target:
-            raise RuntimeError("drafter has no target attached; call attach(target)")
+            raise RuntimeError("drafter has no target: build it with Drafter(cfg, target) or for_target()")
         return self._target[0]
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        # weights exported before token counts existed, or from another EAGLE trainer: counts unknown
+        if "token_counts" not in state:
+            state = {**state, "token_counts": torch.zeros(self.token_counts.shape)}
+        return super().load_state_dict(state, strict=strict, assign=assign)
+
+    @property
+    def weights(self) -> dict[str, Tensor]:
+        """The trainable weights only (fc.*, layers.0.*): what is averaged, exported and served."""
+        return {k: v for k, v in self.state_dict().items() if k != "token_counts"}
 
     def new_cache(self, batch: int, max_len: int, differentiable: bool = False) -> KVCache:
         c = self.config

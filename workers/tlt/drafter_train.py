@@ -1,7 +1,6 @@
-"""Drafter training: the EAGLE loss, a preemptible trainer, offline warm-up, parameter averaging.
+"""Drafter training: the EAGLE loss, the preemptible spot trainer, parameter averaging.
 
-    trainer = DrafterTrainer(Drafter.for_target(policy), cfg.drafter)
-    trainer.warmup(policy, prompt_ids, steps=200)              # before RL: the model's own outputs
+    trainer = DrafterTrainer(drafter, cfg.drafter)              # drafter: warmed up (drafter_warmup.py)
     ran = trainer.train(buffer, max_steps=50, should_stop=rollout_finished.is_set)   # spot training
     ckpt = trainer.state_dict()                                 # trainable weights + optimizer only
     merged = average_state_dicts([t.drafter_state() for t in trainers])   # one drafter for all
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -41,7 +39,6 @@ from torch import Tensor
 
 from .buffer import Batch, DrafterBuffer
 from .drafter import Drafter
-from .model import Transformer
 
 if TYPE_CHECKING:  # the config needs pydantic; the loss alone (bench rollout on a bare GPU node) does not
     from .config import DrafterSection
@@ -149,10 +146,25 @@ class DrafterTrainer:
         self.steps_done = 0
         self.last_metrics: dict[str, float] = {}
         self.rng = random.Random(seed)
+        self._vocab_cache: tuple[tuple, Tensor] | None = None
 
     def _loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
         return drafter_loss(self.drafter, batch, self.cfg.hidden_loss_weight, self.cfg.token_loss_weight,
-                            unroll=self.cfg.unroll)
+                            vocab=self._vocab(), unroll=self.cfg.unroll)
+
+    def _vocab(self) -> Tensor | None:
+        """The soft cross-entropy's vocabulary: drafter.train_vocab most frequent tokens of the warm-up
+        answers (their counts travel with the drafter), recomputed when the counts change."""
+        counts = self.drafter.token_counts
+        if not 0 < self.cfg.train_vocab < counts.shape[0] or not bool(counts.any()):
+            return None
+        key = (counts.data_ptr(), counts._version)
+        if self._vocab_cache is None or self._vocab_cache[0] != key:
+            from .speculative import draft_vocab_ids
+
+            eos = self.drafter.config.eos_ids
+            self._vocab_cache = (key, draft_vocab_ids(counts.float().cpu(), self.cfg.train_vocab, eos).to(counts.device))
+        return self._vocab_cache[1]
 
     def _apply(self) -> None:
         if self.grad_clip:
@@ -205,51 +217,10 @@ class DrafterTrainer:
                         break
         return ran
 
-    @torch.no_grad()
-    def harvest(self, model: Transformer, sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
-                buffer: DrafterBuffer, step: int = 0, batch_size: int = 16) -> int:
-        """Run the target over (prompt_ids, response_ids) pairs and add their hidden states to `buffer`."""
-        added = 0
-        model.eval()
-        for i in range(0, len(sequences), batch_size):
-            chunk = sequences[i: i + batch_size]
-            seqs = [list(p) + list(r) for p, r in chunk]
-            T = max(len(s) for s in seqs)
-            x = torch.zeros(len(seqs), T, dtype=torch.long)
-            for b, s in enumerate(seqs):
-                x[b, : len(s)] = torch.tensor(s)
-            hidden = model(x.to(model.device), logits=False).hidden  # [B, T, H]; causal: pads are harmless
-            for b, ((p, _), s) in enumerate(zip(chunk, seqs)):
-                added += buffer.add(s, hidden[b, : len(s)], response_start=len(p), step=step)
-        return added
-
-    def warmup(self, model: Transformer, prompts: Sequence[Sequence[int]], steps: int, max_new_tokens: int = 128,
-               temperature: float = 1.0, seed: int = 0, buffer_tokens: int | None = None,
-               should_stop: Callable[[], bool] = lambda: False, gen_batch: int = 32) -> int:
-        """Offline warm-up: the target answers `prompts`, the drafter learns its hidden states.
-
-        Generation uses the rollout engine (`workers.tlt.sft.fast_generate`); sampling at
-        `temperature` gives the drafter the same kind of text RL rollouts produce. Returns steps run.
-        """
-        from .sft import fast_generate
-
-        t0 = time.monotonic()
-        buffer = DrafterBuffer(buffer_tokens or self.cfg.buffer_tokens)
-        pairs: list[tuple[list[int], list[int]]] = []
-        for i in range(0, len(prompts), gen_batch):
-            chunk = [list(p) for p in prompts[i: i + gen_batch]]
-            responses = fast_generate(model, chunk, max_new_tokens, model.config.eos_ids, temperature=temperature,
-                                      seed=seed + i)
-            pairs.extend(zip(chunk, responses))
-        self.harvest(model, pairs, buffer, step=0)
-        log.info("drafter warm-up: %d sequences, %d tokens generated in %.1f s", len(pairs), buffer.num_tokens,
-                 time.monotonic() - t0)
-        return self.train(buffer, steps, should_stop)
-
     # --- checkpoints: trainable weights + optimizer only ----------------------------------------
 
     def drafter_state(self) -> dict[str, Tensor]:
-        """The trainable weights (fc.*, layers.0.*), detached CPU copies."""
+        """The trainable weights (fc.*, layers.0.*) and the token counts, detached CPU copies."""
         return {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
 
     def state_dict(self) -> dict:

@@ -84,7 +84,7 @@ def export_drafter(drafter: Drafter, folder: str | Path) -> Path:
     """Write `drafter` as an EAGLE folder (format in the module doc); returns the folder."""
     folder = Path(folder)
     cfg = drafter.config
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.weights.items()}
     expected = drafter_tensor_shapes(cfg)
     got = {k: tuple(v.shape) for k, v in state.items()}
     if got != expected:

@@ -1,26 +1,35 @@
-"""GRPO learner: group-normalised advantages and a clipped policy-ratio update.
+"""GRPO learner: group-normalised advantages and a clipped importance-ratio update.
 
 The learner owns the policy's optimizer (and the frozen reference when kl_coef > 0). It is handed
 the step's responses and rewards by the driver and returns its metrics:
 
-    learner = GRPOLearner(policy, cfg.grpo, pad_id=task.pad_id)
+    learner = GRPOLearner(policy, cfg.grpo, pad_id=task.pad_id, sampling=SamplingParams(temperature=0.7))
     batch = RolloutBatch(prompts=[p.ids for p in prompts_repeated], responses=tokens, rewards=rewards,
                          group_size=cfg.rollout.samples_per_prompt, rollout_logprobs=logprobs)
     metrics = learner.step(batch)   # {"learner/loss": ..., "learner/grad_norm": ..., ...}
 
-Per RL step the learner (1) takes the old log-probs of every response token from its own forward
-pass, detached (one optimizer step per batch from the rollout's policy: they equal a separate
-scoring pass); the rollout engine's log-probs are only compared with them,
-`rollout/logprob_mismatch`, since an engine may compute them in another precision or kernel, (2)
-computes the loss in micro-batches of `grpo.micro_batch` sequences, accumulating gradients so that the loss is the mean
-over every response token of the step (token-mean aggregation), (3) clips the global gradient
-norm and takes one AdamW step. Samples of a prompt are contiguous: rows g*n .. g*n+n-1.
+What is optimised. Samples of a prompt are contiguous (rows g*n .. g*n+n-1) and their advantage is
+the group-normalised reward. Log-probs are those of the distribution the rollout sampled from
+(sampling.token_logprobs: temperature, top-k, top-p; greedy rollouts are scored at temperature 1),
+so the policy gradient is unbiased for the sampler actually used. The old log-probs of the ratio
+are the learner's own scoring of the policy that sampled the step (as verl recomputes them): the
+step's groups are split into `grpo.mini_batches` mini-batches with one AdamW step each (verl's
+ppo_mini_batch); the first mini-batch's forward IS that scoring (ratio exactly 1, no extra pass),
+the rows of later ones are scored before the first update, and there the ratio departs from 1 as
+the earlier steps moved the policy, and the PPO clip bounds how far. So the update depends on the
+sampled tokens only, never on the numerics of the engine that drew them (SD on or off give
+bit-identical updates). Each mini-batch's loss is the mean over its response tokens (token-mean
+aggregation), accumulated over micro-batches of at most `grpo.micro_batch` rows and
+`grpo.micro_batch_tokens` padded tokens (rows sorted by length, so a long-tail step pads its few
+long answers together).
+`rollout/logprob_mismatch` (mean) and `rollout/logprob_mismatch_max` compare the rollout
+engine's log-probs with the learner's scoring of the same policy, on every row the learner runs.
 
-Two things make the pass cheaper without changing the update. Rows whose gradient is exactly
-zero are not run: a sample with zero advantage (its whole group got the same reward) contributes
-nothing to the clipped loss when there is no KL term, and the denominator stays every response
-token of the step. Micro-batches are formed from rows sorted by length, so a long-tail step pads
-its few long answers together instead of padding every micro-batch to the longest one.
+Rows whose gradient is exactly zero are not run: a sample with zero advantage (its whole group got
+the same reward) contributes nothing to the clipped loss when there is no KL term; the denominator
+still counts its tokens, and a mini-batch with no row to run still takes its optimizer step with
+zero gradients (AdamW moves the weights on its momentum then), so the update is exactly the one of
+running every row.
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .config import GRPOSection
 from .model import Transformer
+from .sampling import SamplingParams, token_logprobs
 
 ADV_EPS = 1e-6  # added to the group std; groups whose std is below it get zero advantage
 
@@ -51,8 +62,8 @@ class RolloutBatch:
         n = len(self.prompts)
         if len(self.responses) != n or len(self.rewards) != n:
             raise ValueError("prompts, responses and rewards must have one entry per sample")
-        if self.group_size < 1 or n % self.group_size:
-            raise ValueError(f"{n} samples do not split into groups of {self.group_size}")
+        if self.group_size < 2 or n % self.group_size:
+            raise ValueError(f"{n} samples do not split into groups of {self.group_size} (GRPO needs groups of >= 2)")
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = ADV_EPS) -> Tensor:
@@ -62,53 +73,88 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = ADV_EPS) -> 
     """
     r = rewards.float().view(-1, group_size)  # [G, n]
     mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, keepdim=True, unbiased=False) if group_size > 1 else torch.zeros_like(mean)
+    std = r.std(dim=1, keepdim=True, unbiased=False)
     adv = (r - mean) / (std + eps)
     adv = torch.where(std > eps, adv, torch.zeros_like(adv))
     return adv.view(-1)
 
 
-def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-padded [B, T] tokens, the response mask [B, T-1] aligned with next-token targets, and prompt lengths.
+def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-padded tokens [B, T] and the response mask [B, T-1] (bool) aligned with next-token targets.
 
-    mask[b, t] is 1 where token t+1 of row b is a response token (so logits at t score it).
+    mask[b, t] is True where token t+1 of row b is a response token (so position t scores it);
+    read row by row, the True positions are the response tokens in order.
     """
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     T = max(len(s) for s in seqs)
     tokens = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), max(T - 1, 1), dtype=torch.float32)
+    mask = torch.zeros(len(seqs), max(T - 1, 1), dtype=torch.bool)
     for b, (p, r) in enumerate(zip(prompts, responses)):
-        s = seqs[b]
-        tokens[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-        if r:
-            mask[b, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
-    return tokens, mask, torch.tensor([len(p) for p in prompts])
+        tokens[b, : len(seqs[b])] = torch.tensor(seqs[b], dtype=torch.long)
+        mask[b, len(p) - 1 : len(p) - 1 + len(r)] = True
+    return tokens, mask
 
 
-def token_logprobs(model: Transformer, tokens: Tensor, return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1: [B, T-1] float32.
-
-    return_hidden: also return the same forward's last hidden states [B, T, H] (ModelOutput.hidden,
-    after the final norm: the drafter's training input), so harvesting costs no extra pass.
+def response_logprobs(model: Transformer, tokens: Tensor, mask: Tensor, params: SamplingParams,
+                      return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of the response tokens under the processed distribution: [N] float32, N = mask.sum(),
+    in row-major order of `mask` (pad_sequences). The LM head runs only where a response token is
+    scored. return_hidden: also the forward's last hidden states [B, T, H] (after the final norm:
+    the drafter's training input), so harvesting them costs no extra pass.
     """
-    out = model(tokens)
-    logits = out.logits[:, :-1].float()  # [B, T-1, V]
-    target = tokens[:, 1:]
-    lp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return (lp, out.hidden) if return_hidden else lp
+    hidden = model(tokens, logits=False).hidden
+    logits = model.lm_head(hidden[:, :-1][mask])  # [N, V]
+    lp = token_logprobs(logits, tokens[:, 1:][mask], params)
+    return (lp, hidden) if return_hidden else lp
+
+
+def micro_batches(lengths: list[int], rows: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """`rows` longest first, cut into chunks of at most max_rows rows and max_tokens padded tokens
+    (a row longer than max_tokens gets a chunk of its own)."""
+    out: list[list[int]] = []
+    for r in sorted(rows, key=lambda i: -lengths[i]):
+        if out and len(out[-1]) < max_rows and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+class _MismatchAudit:
+    """|rollout engine log-prob - learner log-prob| over the scored rows (same policy, two engines)."""
+
+    def __init__(self, rollout_logprobs: list[list[float]] | None):
+        self.rollout = rollout_logprobs
+        self.total = self.max = 0.0
+        self.count = 0
+
+    def add(self, rows: list[int], learner_lp: Tensor) -> None:
+        if self.rollout is None or not rows:
+            return
+        engine = torch.cat([torch.as_tensor(self.rollout[r], dtype=torch.float32) for r in rows])
+        d = (learner_lp.detach().float().cpu() - engine).abs()
+        if d.numel():
+            self.total += float(d.sum())
+            self.max = max(self.max, float(d.max()))
+            self.count += d.numel()
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/logprob_mismatch": self.total / self.count if self.count else 0.0,
+                "rollout/logprob_mismatch_max": self.max}
 
 
 class GRPOLearner:
     """Policy optimizer + GRPO loss. Lives wherever the driver puts it (here: the driver process)."""
 
-    def __init__(self, policy: Transformer, cfg: GRPOSection, pad_id: int, ref: Transformer | None = None):
+    def __init__(self, policy: Transformer, cfg: GRPOSection, pad_id: int,
+                 sampling: SamplingParams = SamplingParams(), ref: Transformer | None = None):
         self.policy = policy
         self.cfg = cfg
         self.pad_id = pad_id
+        self.sampling = sampling
         self.last_hidden: list[Tensor] | None = None  # see step(harvest_hidden=True)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0
-        )
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.ref: Transformer | None = None
         if cfg.kl_coef > 0:
             self.ref = ref if ref is not None else copy.deepcopy(policy)
@@ -116,94 +162,106 @@ class GRPOLearner:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
 
-    def _micro_batches(self, batch: RolloutBatch, adv: Tensor, every_row: bool) -> list[list[int]]:
-        """Row indices per micro-batch: the rows with a gradient (all of them when `every_row`),
-        longest first, `grpo.micro_batch` at a time."""
-        rows = [i for i in range(len(batch.prompts)) if every_row or adv[i] != 0]
-        rows.sort(key=lambda i: -(len(batch.prompts[i]) + len(batch.responses[i])))
-        mb = self.cfg.micro_batch
-        return [rows[i : i + mb] for i in range(0, len(rows), mb)]
-
     def _padded(self, batch: RolloutBatch, rows: list[int]) -> tuple[Tensor, Tensor]:
-        tokens, mask, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows], self.pad_id)
-        return tokens, mask
+        tokens, mask = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows], self.pad_id)
+        dev = self.policy.device
+        return tokens.to(dev), mask.to(dev)
 
     @torch.no_grad()
-    def _logprobs(self, model: Transformer, batch: RolloutBatch, rows: list[int]) -> Tensor:
-        tokens, _ = self._padded(batch, rows)
-        return token_logprobs(model, tokens.to(model.device)).cpu()
+    def _scored(self, model: Transformer, batch: RolloutBatch, rows: list[int]) -> list[Tensor]:
+        """Per row, the log-probs `model` gives its response tokens (no gradient)."""
+        tokens, mask = self._padded(batch, rows)
+        return list(response_logprobs(model, tokens, mask, self.sampling).cpu().split(mask.sum(1).tolist()))
 
     def step(self, batch: RolloutBatch, harvest_hidden: bool = False) -> dict[str, float]:
-        """One GRPO update on the step's samples; returns `learner/*` and `rollout/logprob_mismatch`.
+        """One GRPO update on the step's samples; returns `learner/*` and `rollout/logprob_mismatch*`.
 
         harvest_hidden: keep the forward pass's hidden states in `self.last_hidden` (one
         [len(prompt) + len(response), H] float16 CPU tensor per sample, aligned with prompt +
         response tokens): the drafter buffer's input when the rollout engine returns none (vLLM).
         """
         cfg = self.cfg
-        n = len(batch.prompts)
-        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size)  # [N]
+        n_rows, n = len(batch.prompts), batch.group_size
+        adv = group_advantages(torch.tensor(batch.rewards), n)  # [N]
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
         # zero-advantage rows still matter with a KL term (its gradient) or when their hidden
         # states are wanted; otherwise their gradient is exactly zero and they are skipped
-        chunks = self._micro_batches(batch, adv, every_row=self.ref is not None or harvest_hidden)
-        total_tokens = float(sum(len(r) for r in batch.responses))
-        denom = max(total_tokens, 1.0)
-        # Old log-probs: the policy is unchanged since the rollout and takes ONE optimizer step on
-        # this batch, so they are exactly the training forward's own log-probs, detached (ratio 1,
-        # the same gradient): no separate scoring pass. The frozen reference needs its own.
-        ref = [self._logprobs(self.ref, batch, c) for c in chunks] if self.ref is not None else None
-        hidden_by_row: dict[int, Tensor] = {}
+        every_row = self.ref is not None or harvest_hidden
+        runs = [r for r in range(n_rows) if every_row or adv[r] != 0]
+        run_set = set(runs)
+        groups = np.array_split(np.arange(n_rows // n), min(cfg.mini_batches, n_rows // n))
+        members = [[int(g) * n + j for g in gs for j in range(n) if int(g) * n + j in run_set] for gs in groups]
+        denoms = [max(float(sum(len(batch.responses[int(g) * n + j]) for g in gs for j in range(n))), 1.0)
+                  for gs in groups]
+        chunks = lambda rows: micro_batches(lengths, rows, cfg.micro_batch, cfg.micro_batch_tokens)  # noqa: E731
+        rollout_lp = batch.rollout_logprobs
+        audit = _MismatchAudit(rollout_lp if rollout_lp is not None and all(
+            len(rollout_lp[r]) == len(batch.responses[r]) for r in runs) else None)
 
-        self.policy.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = kl_sum = clipped = mismatch_sum = 0.0
-        mismatch_n = 0
+        # the behaviour policy's log-probs: the first mini-batch's own forward gives its rows',
+        # the later mini-batches' rows are scored now, before any update
+        old: dict[int, Tensor] = {}
+        for c in chunks([r for m in members[1:] for r in m]):
+            old.update(zip(c, self._scored(self.policy, batch, c)))
+        for r, lp in old.items():
+            audit.add([r], lp)
+        ref: dict[int, Tensor] = {}
+        if self.ref is not None:
+            for c in chunks(runs):
+                ref.update(zip(c, self._scored(self.ref, batch, c)))
+
+        hidden_by_row: dict[int, Tensor] = {}
+        loss_sum = kl_sum = clipped = grad_norm_sum = 0.0
         device = self.policy.device
-        for i, c in enumerate(chunks):
-            tokens, mask = (x.to(device) for x in self._padded(batch, c))
-            a = adv[c].to(device)[:, None]  # [b, 1]
-            lp, hidden = token_logprobs(self.policy, tokens, return_hidden=True)  # [b, T-1], [b, T, H]
-            old_lp = lp.detach()
-            if harvest_hidden:  # unpadded [L, H] per row, fp16 on CPU
-                for b, row in enumerate(c):
-                    L = len(batch.prompts[row]) + len(batch.responses[row])
-                    hidden_by_row[row] = hidden[b, :L].detach().to("cpu", torch.float16)
-            if batch.rollout_logprobs is not None:  # the engine's log-probs vs ours, on the rows run
-                for b, row in enumerate(c):
-                    rl = batch.rollout_logprobs[row]
-                    if not len(rl):
-                        continue
-                    sel = old_lp[b][mask[b] > 0][: len(rl)].float().cpu()
-                    mismatch_sum += float((sel - torch.as_tensor(rl[: len(sel)], dtype=torch.float32)).abs().sum())
-                    mismatch_n += len(sel)
-            ratio = torch.exp(lp - old_lp)
-            surr1 = ratio * a
-            surr2 = torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * a
-            per_token = -torch.minimum(surr1, surr2)
-            if ref is not None:
-                # k3 estimator of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 >= 0, unbiased
-                d = ref[i].to(device) - lp
-                kl = torch.exp(d) - d - 1.0
-                per_token = per_token + cfg.kl_coef * kl
-                kl_sum += float((kl.detach() * mask).sum())
-            loss = (per_token * mask).sum() / denom
-            loss.backward()
-            loss_sum += float(loss.detach())
-            clipped += float((((ratio - 1.0).abs() > cfg.clip_eps).float() * mask).sum())
-        self.last_hidden = [hidden_by_row[r] for r in range(n)] if harvest_hidden else None
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-        self.optimizer.step()
+        self.policy.train()
+        for mb, (rows, denom) in enumerate(zip(members, denoms)):
+            self.optimizer.zero_grad(set_to_none=True)
+            for c in chunks(rows):
+                tokens, mask = self._padded(batch, c)
+                counts = mask.sum(1).tolist()
+                lp, hidden = response_logprobs(self.policy, tokens, mask, self.sampling, return_hidden=True)  # [N]
+                if mb == 0:  # the policy is still the one that sampled: ratio exactly 1
+                    old_lp = lp.detach()
+                    audit.add(c, old_lp)
+                else:
+                    old_lp = torch.cat([old[r] for r in c]).to(device)
+                a = torch.cat([adv[r].expand(k) for r, k in zip(c, counts)]).to(device)
+                if harvest_hidden:  # unpadded [L, H] per row, fp16 on CPU
+                    for b, row in enumerate(c):
+                        hidden_by_row[row] = hidden[b, :lengths[row]].detach().to("cpu", torch.float16)
+                ratio = torch.exp(lp - old_lp)
+                surr1 = ratio * a
+                surr2 = torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * a
+                per_token = -torch.minimum(surr1, surr2)
+                if self.ref is not None:
+                    # k3 estimator of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 >= 0, unbiased
+                    dref = torch.cat([ref[r] for r in c]).to(device) - lp
+                    kl = torch.exp(dref) - dref - 1.0
+                    per_token = per_token + cfg.kl_coef * kl
+                    kl_sum += float(kl.detach().sum())
+                loss = per_token.sum() / denom
+                loss.backward()
+                loss_sum += float(loss.detach())
+                clipped += float(((ratio.detach() - 1.0).abs() > cfg.clip_eps).sum())
+            for p in self.params:  # rows skipped for a zero gradient: AdamW still steps on zeros
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.eval()
+        self.last_hidden = [hidden_by_row[r] for r in range(n_rows)] if harvest_hidden else None
+        total_tokens = float(sum(len(r) for r in batch.responses))
         return {
-            "learner/loss": loss_sum,
-            "learner/grad_norm": float(grad_norm),
-            "learner/kl": kl_sum / denom,
-            "learner/clip_frac": clipped / denom,
+            "learner/loss": loss_sum / len(groups),
+            "learner/grad_norm": grad_norm_sum / len(groups),
+            "learner/kl": kl_sum / max(total_tokens, 1.0),
+            "learner/clip_frac": clipped / max(total_tokens, 1.0),
             "learner/adv_abs_mean": float(adv.abs().mean()),
             "learner/tokens": total_tokens,
-            "learner/rows_run": float(sum(len(c) for c in chunks)),
-            "rollout/logprob_mismatch": mismatch_sum / mismatch_n if mismatch_n else 0.0,
+            "learner/rows_run": float(len(runs)),
+            "learner/optimizer_steps": float(len(groups)),
+            **audit.metrics(),
         }
 
     def state_dict(self) -> dict:

@@ -1,41 +1,61 @@
-"""nn.Linear with faster CPU kernels for the few-row products of decoding.
+"""nn.Linear whose few-row CPU products (decode and verify passes) use the kernel measured fastest
+on the machine at hand.
 
 A decode step multiplies ONE row per sequence by every weight matrix, and a speculative verify
 pass multiplies a handful (the draft tokens). On a CPU both are bound by reading the weights, and
-PyTorch's default kernels read them badly for so few rows. Measured on 2 AVX2 cores (SmolLM2-135M,
-fp32, whole decode step at batch 1; `python -m workers.tlt.bench rollout` shows the effect):
+which kernel reads them fastest depends on the CPU: on 2 AVX2 EPYC cores a pre-packed oneDNN
+weight (and, for one row, `W @ [x; x]^T`) ran a SmolLM2 decode step ~1.9x faster than PyTorch's
+default MKL sgemv; on an AVX-512 Xeon the same choice ran 2x SLOWER than the default. So nothing
+is assumed: `tune(model)` times each candidate on the model's own layers (grouped by weight
+shape, each group streamed whole, as a decode step streams it) for 1..64 rows, keeps the fastest
+per group, and caches the choice on disk per CPU model, torch version and thread count
+(`kernel_cache_path()`); rollout.generate() tunes the models it decodes with on first use.
 
-    rows  default (MKL sgemv / small-M sgemm)   here
-    1     ~58 ms                                 ~31 ms   W @ [x; x]^T: sgemm with N=2 streams W
-                                                          ~3x faster than sgemv does
-    4-10  ~76-90 ms                              ~39-46 ms  oneDNN with the weight pre-packed once
-                                                           (used up to MAX_FEW_ROWS rows)
+Candidates (every one equals F.linear up to float rounding; autograd, other dtypes, GPUs and more
+than MAX_FEW_ROWS rows always take F.linear):
 
-Decoding runs ~1.9x faster, and a verify pass of 8 tokens still costs ~1.5 (now faster) decode
-steps. The packed copy is made on first use and made again when the weight changes: a new tensor,
-or an in-place update (load_state_dict, optimizer steps) that bumps the tensor's version counter.
+    linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
+    onednn   oneDNN with the weight packed once; a single row is computed as two (the row
+             repeated), which takes oneDNN's many-row path: so a row's result is bit-identical
+             whatever the number of rows beside it (decode at any batch, verify of any draft),
+             tested in tests/tlt/test_linear.py
+    gemm2    one row as W @ [x; x]^T (a sgemm with N = 2 streams W faster than sgemv on some
+             CPUs); more rows through oneDNN. Rounds one row differently from several.
+
+The packed copy is made on first use and made again when the weight changes: a new tensor, or an
+in-place update (load_state_dict, optimizer steps) that bumps the tensor's version counter.
 Writes through `.data` bypass that counter and would leave the packed copy stale, so none are made
-in this package. Results equal F.linear's up to float rounding. Everything else (autograd, more
-rows, other dtypes, GPUs) goes through F.linear unchanged.
+in this package. Set TLT_KERNEL=linear|onednn|gemm2 to force one kernel everywhere (no tuning).
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-MAX_FEW_ROWS = 64  # measured up to 64 rows (a tail batch's decode, or a few rows' verify passes):
-                   # pre-packed oneDNN still takes 0.55-0.7x the default GEMM's time there
-MIN_WEIGHT_NUMEL = 1 << 16  # smaller weights sit in cache, where F.linear with less Python wins
-                            # (the tiny model: 64 wide, its decode is all per-op overhead)
-_PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64 here
+log = logging.getLogger(__name__)
+
+MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more rows are compute-bound
+KERNELS = ("linear", "onednn", "gemm2")
+TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
+_PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class Linear(nn.Linear):
     """Drop-in nn.Linear (same parameters and state_dict keys) that routes few-row CPU products."""
 
+    kernel: str = "linear"  # set by tune()
     _packed: tuple[tuple, Tensor] | None = None
 
     @classmethod
@@ -50,20 +70,27 @@ class Linear(nn.Linear):
         return {**state, "_packed": None}  # a cache, and oneDNN's packed tensors do not pickle
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.run(x, self.kernel)
+
+    def run(self, x: Tensor, kernel: str) -> Tensor:
+        """x @ W^T + b through `kernel` where it applies (few rows, CPU float32 inference)."""
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if not 1 <= rows <= MAX_FEW_ROWS or w.numel() < MIN_WEIGHT_NUMEL or not _cpu_float32_inference(x, w):
+        if kernel == "linear" or not 1 <= rows <= MAX_FEW_ROWS or not _cpu_float32_inference(x, w):
             return F.linear(x, w, self.bias)
+        if not _ONEDNN or w.is_inference():  # the packed copy is keyed by the version counter,
+            return F.linear(x, w, self.bias)  # which inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
-        if rows == 1:
+        if rows == 1 and kernel == "gemm2":
             # [x; x] as the transposed view of a contiguous [2, in] block: the layout sgemm streams fast
             y = torch.mm(w, torch.cat([x2, x2]).t())[:, :1].t()
             if self.bias is not None:
                 y = y + self.bias
-        elif _ONEDNN and not w.is_inference():  # the packed copy is keyed by the version counter,
+        elif rows == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
+            y = torch.ops.mkldnn._linear_pointwise(torch.cat([x2, x2]), self._packed_weight(), self.bias,
+                                                   "none", [], "")[:1]
+        else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self._packed_weight(), self.bias, "none", [], "")
-        else:  # which inference tensors lack
-            return F.linear(x, w, self.bias)
         return y.reshape(*x.shape[:-1], -1)
 
     def _packed_weight(self) -> Tensor:
@@ -78,3 +105,139 @@ def _cpu_float32_inference(x: Tensor, w: Tensor) -> bool:
     if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))  # autograd keeps its path
+
+
+# --- tuning ---------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    """The CPU model as the OS names it (Linux /proc/cpuinfo), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The vector extensions that decide which kernels are fast (AVX2, AVX-512, AMX, ...)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return sorted(f for f in have if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return []
+
+
+def kernel_cache_path() -> Path:
+    """Where tuned choices are kept (env TLT_KERNEL_CACHE; default var/models/kernels.json)."""
+    default = Path(__file__).resolve().parents[2] / "var" / "models" / "kernels.json"
+    return Path(os.environ.get("TLT_KERNEL_CACHE") or default)
+
+
+def _cache_key(shape: tuple[int, int], count: int) -> str:
+    # the model name alone is ambiguous ("AMD EPYC" on both an AVX2 and an AVX-512 part): add the flags
+    flags = hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:8]
+    return (f"{cpu_name()} [{flags}]|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+            f"{shape[0]}x{shape[1]}x{count}")
+
+
+def _read_cache() -> dict[str, str]:
+    try:
+        return json.loads(kernel_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(updates: dict[str, str]) -> None:
+    path = kernel_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_read_cache(), **updates}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: concurrent workers never read half a file
+    except OSError as exc:
+        log.warning("could not cache tuned kernels in %s: %s", path, exc)
+
+
+def _time_group(layers: list[Linear], kernels: tuple[str, ...], rows: int, reps: int) -> dict[str, float]:
+    """Best of `reps` passes of a `rows`-row input through every layer of the group, per kernel;
+    the kernels take turns, so a burst of load elsewhere hits them all alike."""
+    x = torch.randn(rows, layers[0].in_features)
+    best = dict.fromkeys(kernels, float("inf"))
+    for rep in range(reps + 1):  # the first round is a warm-up: packs the weights, faults pages in
+        for kernel in kernels:
+            t = time.perf_counter()
+            for layer in layers:
+                layer.run(x, kernel)
+            if rep:
+                best[kernel] = min(best[kernel], time.perf_counter() - t)
+    return best
+
+
+def chosen_kernels(model: nn.Module) -> dict[str, str]:
+    """{"<out>x<in>x<count>": kernel} of a model's Linear layers as they are set now."""
+    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            groups[tuple(m.weight.shape)].append(m)
+    return {f"{o}x{i}x{len(g)}": ",".join(sorted({m.kernel for m in g})) for (o, i), g in groups.items()}
+
+
+def _candidates() -> tuple[str, ...]:
+    return KERNELS if _ONEDNN else ("linear",)
+
+
+@torch.inference_mode(False)
+def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
+    """Choose each Linear's kernel for this machine; returns {"<out>x<in>x<count>": kernel}.
+
+    Layers are grouped by weight shape; a group's candidates are timed over the whole group (its
+    weights stream from memory as in a decode step) at 1..64 rows, each row count's time
+    normalised by its best candidate; the lowest total wins unless an earlier candidate in KERNELS
+    is within 3% of it (timing noise must not pick a kernel). Cached on disk; a no-op for models
+    already tuned, on GPUs, for other dtypes and under TLT_KERNEL.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Linear) and not m.weight.is_meta]
+    if not layers or getattr(model, "_tlt_tuned", False):
+        return {}
+    forced = os.environ.get("TLT_KERNEL", "").strip()
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"TLT_KERNEL={forced!r}: choose one of {', '.join(KERNELS)}")
+        for layer in layers:
+            layer.kernel = forced
+        model._tlt_tuned = True
+        return {"*": forced}
+    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    for layer in layers:
+        if layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32 and not layer.weight.is_inference():
+            groups[tuple(layer.weight.shape)].append(layer)
+    cached, chosen, fresh = _read_cache(), {}, {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for shape, group in groups.items():
+            key = _cache_key(shape, len(group))
+            kernel = cached.get(key)
+            if kernel not in _candidates():
+                per_rows = [_time_group(group, _candidates(), r, reps) for r in TUNE_ROWS]
+                score = {k: sum(t[k] / min(t.values()) for t in per_rows) for k in _candidates()}
+                low = min(score.values())
+                kernel = next(k for k in _candidates() if score[k] <= low * 1.03)
+                fresh[key] = kernel
+            for layer in group:
+                layer.kernel = kernel
+                if kernel == "linear":
+                    layer._packed = None  # no packed copy kept for layers that never use it
+            chosen[f"{shape[0]}x{shape[1]}x{len(group)}"] = kernel
+    if fresh:
+        _write_cache(fresh)
+        log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s", time.perf_counter() - t0, cpu_name(),
+                 torch.get_num_threads(), chosen)
+    model._tlt_tuned = True
+    return chosen

@@ -9,6 +9,13 @@ One record per RL step:
 Keys are namespaced `section/name`. Scalars are plain floats that the platform plots over steps;
 series are per-step structures (histograms, timelines) that the run page draws for a chosen step.
 The names the dashboards read are listed in SCALAR_KEYS and SERIES_KEYS; a trainer may add more.
+
+Besides steps, the trainer reports its progress through each phase (setup, then RL steps):
+
+    tracking.progress("policy", 120, 300, "SFT step 120/300")   # phases: policy, drafter_warmup, actors, rl
+
+Every sink has `progress(phase, done, total, message)`; Tracking forwards at most one update per
+second per phase (plus every phase's first and last), so a 300-step SFT does not post 300 times.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import re
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -57,19 +67,35 @@ SCALAR_KEYS = {
     "learner/kl": "KL to the reference (0 when disabled)",
 }
 
+# scalars a step reports only when it measured them (a chart shows a gap, never a made-up zero):
+# acceptance only when SD verified a draft, each tail speed only when that mode ran in the tail,
+# the drafter's loss and accuracy only when a spot-training update was applied
+WHEN_MEASURED = {"spec/acceptance_length", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
+                 "drafter/loss", "drafter/accuracy"}
+
 SERIES_KEYS = {
     "rollout/lengths": "list[int]: every response length of the step",
     "rollout/running": "{t: [s], running: [int], sd: [0|1]}: running sequences over rollout time",
     "spec/accept_by_position": "list[float]: acceptance rate at draft position 1..depth",
     "spec/strategy": "{bucket label: {arm label: times chosen}}",
     "idle/timeline": "[{worker: int, segments: [[kind, start_s, end_s]]}], kind in generate|idle|drafter",
+    "rollout/samples": "[{sample, prompt, tokens: [str], from_draft: [0|1], reward, length, truncated}]: "
+                       "a few of the step's responses (samples.py)",
 }
+# Optional series: up to 8 of the step's responses for the platform's sample viewer (stored apart
+# from the other series, so the charts never load them): [{sample: int, prompt: str, tokens: [str],
+# from_draft: [0|1] (1: proposed by the drafter and accepted), reward: float, length: int,
+# truncated: bool}], from_draft as long as tokens.
+SAMPLES_KEY = "rollout/samples"
+PROGRESS_PHASES = ("policy", "drafter_warmup", "actors", "rl")
 
 
 class MetricSink(Protocol):
     def log(self, step: int, scalars: dict[str, float], series: dict[str, Any]) -> None: ...
 
     def artifact(self, kind: str, step: int, path: Path) -> None: ...
+
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None: ...
 
     def close(self) -> None: ...
 
@@ -89,6 +115,10 @@ class ConsoleSink:
     def artifact(self, kind: str, step: int, path: Path) -> None:
         print(f"step {step}: saved {kind} -> {path}", file=self.stream, flush=True)
 
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
+        tail = f" {message}" if message else ""
+        print(f"progress {phase} {done}/{total}{tail}", file=self.stream, flush=True)
+
     def close(self) -> None:
         pass
 
@@ -107,6 +137,11 @@ class JsonlSink:
 
     def artifact(self, kind: str, step: int, path: Path) -> None:
         self._fh.write(json.dumps({"step": step, "artifact": kind, "path": str(path)}) + "\n")
+        self._fh.flush()
+
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
+        record = {"phase": phase, "done": done, "total": total, "message": message, "time": time.time()}
+        self._fh.write(json.dumps({"progress": record}) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
@@ -295,11 +330,100 @@ class HttpSink:
         self._session.close()
 
 
+class MlflowSink:
+    """Mirrors a run's metrics to MLflow, so a team keeps its own tracker next to the platform.
+
+        sink = MlflowSink("file:///shared/mlruns", experiment="alice's lab", run_name="tiny run",
+                          tags={"tlt.run_id": "..."}, params={"rollout.num_workers": 2})
+
+    `tracking_uri` is anything MLflow's client takes (an http(s) tracking server, a file store
+    `file:///...` (MLflow >= 3 wants MLFLOW_ALLOW_FILE_STORE=true for it, set here unless already
+    set), a database store `sqlite:///...` when SQLAlchemy and Alembic are installed). Scalars
+    become MLflow metrics at the same step (null and NaN left out); series are not mirrored; progress
+    goes to the tag `tlt.phase`; artifacts are noted as tags `tlt.artifact.<kind>` and, with
+    `upload_artifacts`, also copied into the MLflow run. close() ends the MLflow run as FINISHED.
+    The platform stays the record: an MLflow error is logged, never raised into the training.
+    """
+
+    BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics, 100 params per call
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str = "", tags: dict[str, str] | None = None,
+                 params: dict[str, Any] | None = None, upload_artifacts: bool = False):
+        if "://" not in tracking_uri or tracking_uri.startswith("file:"):
+            # MLflow >= 3 keeps its file store only on request; a configured file: URI is that request
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient  # local: only runs that mirror to MLflow need it
+
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self.upload_artifacts = upload_artifacts
+        # MLflow looks experiments up with a filter string that quotes names naively: "Alice's lab"
+        # breaks it (file store), so straight quotes become typographic ones.
+        experiment = experiment.replace("'", "\u2019").replace('"', "\u201d")
+        self.experiment = experiment
+        found = self._client.get_experiment_by_name(experiment)
+        if found is None:
+            try:
+                experiment_id = self._client.create_experiment(experiment)
+            except Exception:  # another run created it meanwhile
+                experiment_id = self._client.get_experiment_by_name(experiment).experiment_id
+        else:
+            experiment_id = found.experiment_id
+        self.experiment_id = experiment_id
+        run = self._client.create_run(experiment_id, run_name=run_name or None, tags=dict(tags or {}))
+        self.run_id = run.info.run_id
+        items = [Param(str(k)[:250], str(v)[:6000]) for k, v in (params or {}).items()]
+        for i in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[i: i + 100])
+
+    def _safely(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            call(*args, **kwargs)
+        except Exception as exc:
+            log.warning("mlflow %s failed: %s", what, exc)
+
+    def log(self, step: int, scalars: dict[str, float], series: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), now, step) for key, value in scalars.items()
+                   if isinstance(value, (int, float)) and math.isfinite(value)]
+        for i in range(0, len(metrics), self.BATCH):
+            self._safely("log_batch", self._client.log_batch, self.run_id, metrics=metrics[i: i + self.BATCH])
+
+    def artifact(self, kind: str, step: int, path: Path) -> None:
+        self._safely("set_tag", self._client.set_tag, self.run_id, f"tlt.artifact.{kind}", f"step {step}: {Path(path).name}")
+        if self.upload_artifacts:
+            self._safely("log_artifact", self._client.log_artifact, self.run_id, str(path), f"{kind}/step{step:06d}")
+
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
+        self._safely("set_tag", self._client.set_tag, self.run_id, "tlt.phase", f"{phase} {done}/{total}")
+
+    def close(self) -> None:
+        self._safely("set_terminated", self._client.set_terminated, self.run_id, "FINISHED")
+
+
 class Tracking:
     """Fans each record out to every sink (verl's Tracking, in small)."""
 
-    def __init__(self, sinks: list[MetricSink]):
+    def __init__(self, sinks: list[MetricSink], progress_interval_s: float = 1.0):
         self.sinks = sinks
+        self.progress_interval_s = progress_interval_s
+        self._last_progress: tuple[str, float] | None = None  # (phase, monotonic time) of the last forwarded
+
+    def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
+        """Report progress through a phase to every sink: a phase's first and last update always
+        go out, others at most once per `progress_interval_s`."""
+        now = time.monotonic()
+        last = self._last_progress
+        edge = last is None or last[0] != phase or done <= 0 or done >= total
+        if not edge and now - last[1] < self.progress_interval_s:
+            return
+        self._last_progress = (phase, now)
+        for sink in self.sinks:
+            report = getattr(sink, "progress", None)  # a sink written before progress existed has none
+            if report is not None:
+                report(phase, done, total, message)
 
     def log(self, step: int, scalars: dict[str, float], series: dict[str, Any] | None = None) -> None:
         for sink in self.sinks:

@@ -306,7 +306,8 @@ class RolloutWorkerImpl:
             p.requires_grad_(False)
         self.drafter = Drafter(model_config, self.policy).to(device=self.device, dtype=dtype)
         self._trainer = None
-        if cfg.run.tlt:
+        self.spot = cfg.run.tlt and cfg.drafter.spot_training
+        if self.spot:
             self._get_trainer()  # the optimizer's first construction imports a lot: not on the idle clock
         self._bandit = None
         self._record_cache: dict = {}
@@ -404,10 +405,10 @@ class RolloutWorkerImpl:
 
     def _generate(self, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool):
         from .rollout import generate
-        from .sampling import SamplingParams
+        from .sampling import sampling_params
 
         rc = self.cfg.rollout
-        params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k)
+        params = sampling_params(rc)
         if rc.engine == "vllm":  # its own SD switch (dynamic by batch size) and EAGLE drafter
             return self._engine().generate(prompts, params, max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids,
                                            seed=seed)
@@ -417,7 +418,7 @@ class RolloutWorkerImpl:
         return generate(
             self.policy, prompts, params, max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids,
             drafter=self.drafter if tlt else None, spec=spec, bandit=self._bandit if tlt else None,
-            seed=seed, harvest_hidden=tlt,
+            seed=seed, harvest_hidden=tlt and self.spot,
         )
 
     def rollout(self, step: int, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool) -> dict[str, Any]:
@@ -431,6 +432,7 @@ class RolloutWorkerImpl:
             "logprobs": [lp.tolist() for lp in res.logprobs],
             "lengths": [int(n) for n in res.lengths],
             "finished": [bool(f) for f in res.finished],
+            "from_draft": [f.int().tolist() for f in res.from_draft] if res.from_draft is not None else None,
             "metrics": res.metrics.to_dict(),
             "gen_start": gen_start,
             "gen_end": gen_end,
@@ -439,7 +441,7 @@ class RolloutWorkerImpl:
             "drafter_intervals": [],
             "drafter_steps": 0,
         }
-        if tlt:  # the rollout goes to the driver now; records and spot training follow in the background
+        if tlt and self.spot:  # the rollout goes to the driver now; records and spot training follow in the background
             self._preempted.clear()
             self._spot = self._spot_pool.submit(self._after_rollout, step, prompts, res)
         return out

@@ -10,9 +10,12 @@
 
 One loop serves every mode. Each step drafts a `Tree` rooted at each row's pending token (no draft:
 a plain decode step; a chain; a top-k tree; an n-gram chain), runs the target once over it and
-accepts losslessly (speculative.walk / speculative.chain_rule). Prompts are right-padded and
-prefilled together; every row keeps its own cache length and rope positions, so no left padding.
-Finished rows leave the batch (KVCache.keep_rows), so the tail decodes at small batch.
+accepts losslessly (speculative.walk). Sampling is keyed (sampling.py): the token at each position
+of a sample is decided by one uniform of (seed, sample, position), so SD on, SD off and any arm
+the bandit picks emit the same tokens for the same seed, under greedy and under sampling alike.
+Prompts are right-padded and prefilled together; every row keeps its own cache length and rope
+positions, so no left padding. Finished rows leave the batch (KVCache.keep_rows), so the tail
+decodes at small batch.
 
 Speculative decoding (SD) may switch on when the running sequences are <= spec.threshold; then a
 bucketed epsilon-greedy bandit (bandit.py) picks the arm for each step: an EAGLE strategy
@@ -28,6 +31,8 @@ exactly the drafter's training input, with no extra forward pass.
 
 from __future__ import annotations
 
+import bisect
+import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,11 +42,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import spec_defaults
 from .bandit import BucketedBandit
+from .linear import tune
 from .model import Transformer
-from .sampling import SamplingParams, pick, process
-from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, chain_rule, draft, draft_vocab_ids, \
-    ngram_propose, root_tree, tree_mask, walk
+from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
+from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
+    root_tree, tree_mask, walk
+
+log = logging.getLogger(__name__)
 
 OFF, NGRAM = "off", "ngram"
 
@@ -69,20 +78,20 @@ class SpecPolicy:
     """When and how the rollout speculates. Mirrors config.SpecSection plus engine-only knobs."""
 
     enabled: bool = True  # False: never speculate (baseline), but still measure the tail at `threshold`
-    threshold: int = 32  # SD may switch on when running sequences <= threshold (the tail)
-    strategies: tuple[tuple[int, int, int], ...] = ((4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16))
-    ngram_arm: bool = True  # n-gram drafter over the row itself and its siblings (same prompt)
+    threshold: int = spec_defaults.THRESHOLD  # SD may switch on when running sequences <= threshold (the tail)
+    strategies: tuple[tuple[int, int, int], ...] = spec_defaults.STRATEGIES
+    ngram_arm: bool = spec_defaults.NGRAM_ARM  # n-gram drafter over the row itself and its siblings (same prompt)
     ngram_n: int = 3  # longest suffix the n-gram drafter matches (tries n..1)
     ngram_depth: int = 6  # tokens it proposes per pass
     off_arm: bool = True  # plain decoding is an arm too: SD switches off where it does not pay
-    epsilon: float = 0.1  # bandit exploration probability
-    buckets: tuple[int, ...] = (1, 4, 20)  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
-    window: int = 16  # rewards kept per arm and bucket for the median
+    epsilon: float = spec_defaults.EPSILON  # bandit exploration probability
+    buckets: tuple[int, ...] = spec_defaults.BUCKETS  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
+    window: int = spec_defaults.WINDOW  # rewards kept per arm and bucket for the median
     arm: str | None = None  # force this arm in the tail, e.g. "d5k1v5" (benchmarks, tests); None: bandit picks
     # reduced draft vocabulary (FR-Spec): the EAGLE drafter's head scores only this many token ids, the
     # most frequent by `drafter.token_counts` (its training data) plus the EOS ids; 0: the full vocabulary.
     # Lossless either way (verification uses the target's full distribution); it makes draft steps cheap.
-    draft_vocab: int = 0
+    draft_vocab: int = spec_defaults.DRAFT_VOCAB
     draft_ids: Sequence[int] | None = None  # explicit draft vocabulary (overrides draft_vocab; tests)
 
     @classmethod
@@ -112,8 +121,13 @@ class SpecPolicy:
             ids = torch.as_tensor(list(self.draft_ids), dtype=torch.long).unique()
         elif self.draft_vocab and self.draft_vocab < vocab_size:
             counts = getattr(drafter, "token_counts", None)
-            counts = torch.zeros(vocab_size) if counts is None else counts.detach().float().cpu()[:vocab_size]
-            ids = draft_vocab_ids(counts, self.draft_vocab, eos_ids)
+            if counts is None or not bool(counts.any()):
+                # without its training data's token counts the subset would be ids 0..N-1: still
+                # lossless, but most drafts would miss; draft over the whole vocabulary instead
+                log.warning("spec.draft_vocab=%d but the drafter carries no token counts: drafting over the "
+                            "whole vocabulary", self.draft_vocab)
+                return DraftHead(drafter)
+            ids = draft_vocab_ids(counts.detach().float().cpu()[:vocab_size], self.draft_vocab, eos_ids)
         else:
             return DraftHead(drafter)
         return DraftHead(drafter, ids, vocab_size, device)
@@ -126,7 +140,9 @@ class SpecPolicy:
 
 @dataclass
 class RolloutMetrics:
-    """What one rollout measured. `to_dict()` is JSON-able; `scalars()`/`series()` use metrics.py keys."""
+    """What one rollout measured (or several, merged). `to_dict()`/`from_dict()` are JSON-able;
+    `scalars()`/`series()` use metrics.py keys and leave out what was not measured (no SD pass: no
+    acceptance; no plain step in the tail: no plain tail speed), so charts show gaps, not zeros."""
 
     threshold: int = 0  # tail = running sequences <= threshold
     wall_s: float = 0.0  # whole rollout, prefill included
@@ -144,6 +160,8 @@ class RolloutMetrics:
     tail_s_sd: float = 0.0
     tail_tokens_no_sd: int = 0  # tokens emitted in the tail by plain decode steps
     tail_s_no_sd: float = 0.0
+    tail_wall_s: float = 0.0  # decode time in the tail (merged: the longest worker's)
+    draft_vocab_coverage: float = -1.0  # share of emitted tokens inside the reduced draft vocabulary (-1: none)
 
     def count_tail(self, emitted: int, seconds: float, sd_on: bool, bucket: str = "", arm: str = "") -> None:
         """Book one decode/verify step taken in the tail (running <= threshold)."""
@@ -153,6 +171,7 @@ class RolloutMetrics:
         else:
             self.tail_tokens_no_sd += emitted
             self.tail_s_no_sd += seconds
+        self.tail_wall_s += seconds
         if arm:
             counts = self.strategy.setdefault(bucket, {})
             counts[arm] = counts.get(arm, 0) + 1
@@ -162,6 +181,10 @@ class RolloutMetrics:
         """Tokens emitted per row per verify pass (accepted drafts + the target's own token)."""
         n = sum(self.accepted_hist)
         return sum((k + 1) * c for k, c in enumerate(self.accepted_hist)) / n if n else 0.0
+
+    @property
+    def accept_by_position(self) -> list[float]:
+        return [a / n if n else 0.0 for a, n in zip(self.accepted_by_pos, self.attempted_by_pos)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -183,27 +206,86 @@ class RolloutMetrics:
         d = asdict(self)
         d["running"] = [[round(t, 6), r, bool(s)] for t, r, s in self.running]
         d["sd_switches"] = [[round(t, 6), bool(s)] for t, s in self.sd_switches]
-        for k in ("acceptance_length", "tokens_per_s", "tail_tokens_per_s_sd", "tail_tokens_per_s_no_sd",
-                  "switch_on_s"):
-            d[k] = getattr(self, k)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RolloutMetrics":
+        known = {f for f in cls.__dataclass_fields__}
+        m = cls(**{k: v for k, v in d.items() if k in known})
+        m.running = [(float(t), int(r), bool(sd)) for t, r, sd in m.running]
+        m.sd_switches = [(float(t), bool(on)) for t, on in m.sd_switches]
+        return m
+
+    @classmethod
+    def merge(cls, parts: Sequence["RolloutMetrics"], offsets: Sequence[float]) -> "RolloutMetrics":
+        """One rollout's metrics from its workers': offsets[i] is how long after the rollout's start
+        worker i began (each worker's clock starts at its own generation). Counters add up (a worker
+        that decoded more weighs more), the running curves add up as step functions, the wall and
+        the tail are the longest worker's."""
+        def add(lists: list[list[int]]) -> list[int]:
+            out = [0] * max((len(x) for x in lists), default=0)
+            for x in lists:
+                for i, v in enumerate(x):
+                    out[i] += v
+            return out
+
+        m = cls(threshold=max((p.threshold for p in parts), default=0))
+        m.wall_s = max((p.wall_s + off for p, off in zip(parts, offsets)), default=0.0)
+        m.prefill_s = max((p.prefill_s for p in parts), default=0.0)
+        m.total_tokens = sum(p.total_tokens for p in parts)
+        m.lengths = [n for p in parts for n in p.lengths]
+        m.verify_passes = sum(p.verify_passes for p in parts)
+        m.accepted_hist = add([p.accepted_hist for p in parts])
+        m.accepted_by_pos = add([p.accepted_by_pos for p in parts])
+        m.attempted_by_pos = add([p.attempted_by_pos for p in parts])
+        for p in parts:
+            for bucket, arms in p.strategy.items():
+                dst = m.strategy.setdefault(bucket, {})
+                for arm, count in arms.items():
+                    dst[arm] = dst.get(arm, 0) + int(count)
+        for key in ("tail_tokens_sd", "tail_s_sd", "tail_tokens_no_sd", "tail_s_no_sd"):
+            setattr(m, key, sum(getattr(p, key) for p in parts))
+        m.tail_wall_s = max((p.tail_wall_s for p in parts), default=0.0)
+        covered = [(p.draft_vocab_coverage, p.total_tokens) for p in parts if p.draft_vocab_coverage >= 0]
+        if covered:
+            m.draft_vocab_coverage = sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered))
+        m.sd_switches = sorted((t + off, on) for p, off in zip(parts, offsets) for t, on in p.sd_switches)
+        curves = [([t + off for t, _, _ in p.running], [r for _, r, _ in p.running], [sd for _, _, sd in p.running])
+                  for p, off in zip(parts, offsets) if p.running]
+        for t in sorted({t for ts, _, _ in curves for t in ts}):
+            running = sd = 0
+            for ts, rs, sds in curves:
+                i = bisect.bisect_right(ts, t) - 1
+                if i >= 0:
+                    running += rs[i]
+                    sd = max(sd, int(sds[i]))
+            m.running.append((t, running, bool(sd)))
+        return m
+
     def scalars(self) -> dict[str, float]:
-        return {
+        out = {
             "rollout/tokens_per_s": self.tokens_per_s,
-            "rollout/tail_tokens_per_s_sd": self.tail_tokens_per_s_sd,
-            "rollout/tail_tokens_per_s_no_sd": self.tail_tokens_per_s_no_sd,
-            "spec/acceptance_length": self.acceptance_length,
+            "rollout/wall_s": self.wall_s,
+            "rollout/tail_s": self.tail_wall_s,
+            "spec/verify_passes": float(self.verify_passes),
             "spec/switch_on_s": self.switch_on_s,
-            "timing_s/rollout": self.wall_s,
         }
+        if self.tail_s_sd:
+            out["rollout/tail_tokens_per_s_sd"] = self.tail_tokens_per_s_sd
+        if self.tail_s_no_sd:
+            out["rollout/tail_tokens_per_s_no_sd"] = self.tail_tokens_per_s_no_sd
+        if sum(self.accepted_hist):
+            out["spec/acceptance_length"] = self.acceptance_length
+        if self.draft_vocab_coverage >= 0:
+            out["spec/draft_vocab_coverage"] = self.draft_vocab_coverage
+        return out
 
     def series(self) -> dict[str, Any]:
         return {
             "rollout/lengths": list(self.lengths),
-            "rollout/running": {"t": [t for t, _, _ in self.running], "running": [r for _, r, _ in self.running],
+            "rollout/running": {"t": [round(t, 4) for t, _, _ in self.running], "running": [r for _, r, _ in self.running],
                                 "sd": [int(s) for _, _, s in self.running]},
-            "spec/accept_by_position": [a / n if n else 0.0 for a, n in zip(self.accepted_by_pos, self.attempted_by_pos)],
+            "spec/accept_by_position": self.accept_by_position,
             "spec/strategy": self.strategy,
         }
 
@@ -211,8 +293,8 @@ class RolloutMetrics:
 @dataclass
 class RolloutResult:
     tokens: list[list[int]]  # response ids per sample (prompt excluded; ends with the EOS id when it stopped on one)
-    # log-softmax of the RAW target logits (temperature 1, no top-k/top-p) at each response token, [len]
-    # float32; the same quantity a learner's scoring pass computes (it recomputes its own anyway)
+    # log-prob of each response token under the distribution it was sampled from (sampling.token_logprobs:
+    # temperature, top-k, top-p; greedy: temperature 1), [len] float32: the learner's old log-probs
     logprobs: list[Tensor]
     lengths: list[int]
     finished: list[bool]  # True: stopped on an EOS id; False: reached max_new_tokens
@@ -221,12 +303,15 @@ class RolloutResult:
     # sequence (the drafter's training pairs). None when harvest_hidden is False.
     hidden: list[Tensor] | None
     metrics: RolloutMetrics
+    # per sample [len] bool: the token was a draft the target accepted (None: the engine does not say)
+    from_draft: list[Tensor] | None = None
 
 
 class _Rows:
     """Device state of the rows in the batch: row r of every tensor is the same sequence."""
 
-    def __init__(self, model: Transformer, drafter, prompts: Sequence[Sequence[int]], L: int, need_hidden: bool):
+    def __init__(self, model: Transformer, drafter, prompts: Sequence[Sequence[int]], L: int, need_hidden: bool,
+                 seed: int):
         dev = model.device
         B = len(prompts)
         self.cache = model.new_cache(B, L)
@@ -237,6 +322,8 @@ class _Rows:
         self.seq = seq.to(dev)  # prompt + response; seq[b, n] = pending token
         self.hid = torch.empty(B, L, model.config.hidden_size, dtype=model.dtype, device=dev) if need_hidden else None
         self.lp = torch.zeros(B, L, dtype=torch.float32, device=dev)  # log-prob of seq[b, i], response part
+        self.fd = torch.zeros(B, L, dtype=torch.bool, device=dev)  # seq[b, i] was an accepted draft
+        self.keys = sample_keys(seed, B, dev)  # sample b's randomness (sampling.uniforms)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         self.ids = list(range(B))  # sample index of each row
         self.alive = torch.ones(B, dtype=torch.bool, device=dev)  # finished rows stay until compaction
@@ -248,7 +335,7 @@ class _Rows:
         self.cache.keep_rows(idx)
         if self.dcache is not None:
             self.dcache.keep_rows(idx)
-        self.seq, self.lp = self.seq[idx], self.lp[idx]
+        self.seq, self.lp, self.fd, self.keys = self.seq[idx], self.lp[idx], self.fd[idx], self.keys[idx]
         self.hid = self.hid[idx] if self.hid is not None else None
         self.prompt_len, self.alive = self.prompt_len[idx], self.alive[idx]
         self.ids = [self.ids[r] for r in rows]
@@ -259,8 +346,7 @@ class _Rows:
 @torch.inference_mode()
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
              max_new_tokens: int, eos_ids: Sequence[int] = (), drafter=None, spec: SpecPolicy | None = None,
-             bandit: BucketedBandit | None = None, seed: int = 0, generator: torch.Generator | None = None,
-             harvest_hidden: bool = True, hidden_dtype: torch.dtype = torch.float32,
+             bandit: BucketedBandit | None = None, seed: int = 0, harvest_hidden: bool = True, hidden_dtype: torch.dtype = torch.float32,
              on_progress: Callable[[dict[str, Any]], None] | None = None) -> RolloutResult:
     """Generate a response for every prompt (token id lists; repeat a prompt for n samples).
 
@@ -268,31 +354,36 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     max_new_tokens. drafter: an EAGLE drafter (drafter.py) or None (then only the n-gram arm can
     speculate). spec: None or enabled=False for plain decoding. bandit: pass one
     (spec.new_bandit(...)) to keep learning across calls; else a fresh one per call.
-    seed / generator: the sampling randomness (same seed, same samples, for a fixed arm sequence).
+    seed: the sampling randomness: sample b's tokens depend only on (seed, b, its prompt, the model),
+    never on the arms, the batch or SD (sampling.py).
     on_progress: called with {"t", "running", "finished", "sd"} whenever the running count changes.
     The device is the model's.
     """
     t0 = time.perf_counter()
     dev = model.device
-    if generator is None:
-        generator = torch.Generator(device=dev).manual_seed(seed)
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("need at least one prompt, each with at least one token")
     policy = spec if spec is not None else SpecPolicy(enabled=False)
     arms = {a.label: a for a in policy.arms(drafter is not None)} if policy.enabled else {}
+    for m in (model, drafter if arms else None):  # this machine's fastest few-row kernels (cached)
+        if isinstance(m, torch.nn.Module) and dev.type == "cpu":
+            tune(m)
     if arms and bandit is None:
         bandit = policy.new_bandit(drafter is not None, seed)
     max_depth = max([a.depth for a in arms.values()] + [1])
     slack = max([a.verify + 1 for a in arms.values()] + [a.depth * a.topk + 1 for a in arms.values()] + [2]) + 2
     B0 = len(prompts)
     L = max(len(p) for p in prompts) + max_new_tokens + slack
-    rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None)
+    rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None, seed)
     head = policy.draft_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
+    if head is not None and head.head is not None and dev.type == "cpu":
+        tune(head.head)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)
     out_tokens: list[list[int]] = [[] for _ in range(B0)]
     out_lp: list[Tensor] = [torch.empty(0)] * B0
+    out_fd: list[Tensor] = [torch.empty(0, dtype=torch.bool)] * B0
     out_hidden: list[Tensor] | None = [torch.empty(0)] * B0 if harvest_hidden else None
     out_eos = [False] * B0
     groups: dict[tuple[int, ...], int] = {}
@@ -306,6 +397,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         full = rows.seq[r, :n + 1].tolist()
         out_tokens[i] = full[P:]
         out_lp[i] = rows.lp[r, P:n + 1].float().cpu()
+        out_fd[i] = rows.fd[r, P:n + 1].cpu()
         if out_hidden is not None:
             out_hidden[i] = rows.hid[r, :n].to("cpu", hidden_dtype)
         out_eos[i] = hit_eos
@@ -334,9 +426,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     if rows.hid is not None:
         rows.hid[:, :Pmax] = out.hidden
     logits = model.lm_head(out.hidden[bidx, P - 1])  # [B, V] only where the prompts end
-    tok = pick(logits, params, generator)
+    z = processed_logits(logits, params)
+    tok = logits.argmax(-1) if params.greedy else sample(z.softmax(-1), uniforms(rows.keys, P[:, None])[:, 0])
     rows.seq[bidx, P] = tok
-    rows.lp[bidx, P] = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+    rows.lp[bidx, P] = torch.log_softmax(z, -1).gather(1, tok[:, None])[:, 0]
     rows.cache.lengths = P.clone()  # pending token = the first response token, at position P
     hit = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(rows.alive)
     done = hit | (max_new_tokens <= 1)
@@ -378,15 +471,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         bidx = torch.arange(B, device=dev)
         roots = rows.seq[bidx, n]
         s_max = max(rows.n_host)
-        sampled_chain = False
         if not sd_on:
             tree = root_tree(roots)
         elif arm.label == NGRAM:
             tree = _ngram_tree(rows, roots, prompts, group_of, done_seqs, policy.ngram_n, arm.depth)
-        else:
-            sampled_chain = arm.topk == 1 and not params.greedy
+        else:  # a draft token at level j sits at position n + j and uses that position's uniform
+            u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
             tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                         verify=arm.verify, params=params, generator=generator, sample_chain=sampled_chain, head=head)
+                         verify=arm.verify, params=params, u=u, head=head)
 
         # --- one target pass over the tree, lossless acceptance ---
         T = tree.tokens.shape[1]
@@ -396,11 +488,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         else:
             mask = tree_mask(n, ancestors(tree), s_max + T)
         out = model(tree.tokens, n[:, None] + tree.depth, rows.cache, write_pos=n[:, None] + ar, mask=mask)
-        st = stats if T > 1 else None
-        if sampled_chain:
-            path, n_acc, nxt = chain_rule(tree, process(out.logits, params), generator, st)
-        else:
-            path, n_acc, nxt = walk(tree, pick(out.logits, params, generator), st)
+        z = processed_logits(out.logits, params)  # [B, T, V]
+        if params.greedy:
+            y = out.logits.argmax(-1)
+        else:  # the target's draw after each node: the uniform of position n + depth + 1
+            y = sample(z.softmax(-1), uniforms(rows.keys, n[:, None] + tree.depth + 1))
+        path, n_acc, nxt = walk(tree, y, stats if T > 1 else None)
         D = path.shape[1] - 1
         j = torch.arange(D + 1, device=dev)
         if D and not tree.chain:
@@ -413,11 +506,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             rows.hid[bidx[:, None], n[:, None] + j] = out.hidden.gather(1, path[..., None].expand(-1, -1, H))
         em = torch.cat([tree.tokens.gather(1, path[:, 1:]), nxt[:, None]], 1)  # [B, D+1] emitted at n+1..
         em.scatter_(1, n_acc[:, None], nxt[:, None])
-        V = out.logits.shape[-1]
-        lps = torch.log_softmax(out.logits.gather(1, path[..., None].expand(-1, -1, V)).float(), -1)
+        V = z.shape[-1]
+        lps = torch.log_softmax(z.gather(1, path[..., None].expand(-1, -1, V)), -1)
         wpos = n[:, None] + 1 + j
         rows.seq[bidx[:, None], wpos] = em
         rows.lp[bidx[:, None], wpos] = lps.gather(2, em[..., None])[..., 0]
+        rows.fd[bidx[:, None], wpos] = j[None, :] < n_acc[:, None]
         k, done, hit = stop(em, n_acc + 1)
         rows.cache.lengths = n + k
         k_host, done_host, hit_host, n_host = torch.stack([k, done.long(), hit.long(), rows.cache.lengths]).tolist()
@@ -443,10 +537,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     m.running.append((m.wall_s, 0, sd_prev))
     m.lengths = [len(t) for t in out_tokens]
     m.total_tokens = sum(m.lengths)
+    if head is not None and head.ids is not None:  # low: the draft vocabulary misses what this policy writes
+        emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long)
+        m.draft_vocab_coverage = float(torch.isin(emitted, head.ids.cpu()).float().mean()) if emitted.numel() else 1.0
     m.accepted_hist = stats.hist.tolist()
     m.accepted_by_pos = stats.accepted.tolist()
     m.attempted_by_pos = stats.attempted.tolist()
-    return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m)
+    return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m, out_fd)
 
 
 def _ngram_tree(rows: _Rows, roots: Tensor, prompts, group_of: list[int], done_seqs: dict[int, list[np.ndarray]],

@@ -12,8 +12,7 @@ zero, but not perfect, so RL still has something to learn):
 The output folder is a Hugging Face folder (config.json, model.safetensors, tokenizer.json) that
 `Transformer.from_pretrained` and the trainer's `source: hf` read.
 
-`generate` here is the simple reference generator (full recompute, no KV cache) used by the
-offline warm-ups and evaluations; the rollout engine is the fast path.
+`generate_ids` decodes through the rollout engine (evaluations and tests).
 """
 
 from __future__ import annotations
@@ -23,8 +22,10 @@ import logging
 import math
 import random
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,21 @@ from .model import ModelConfig, Transformer, init_weights
 log = logging.getLogger(__name__)
 
 Example = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, response_ids ending in EOS)
+
+# Who hears of every SFT step besides sft()'s own on_progress: set for a block by
+# reporting_sft_steps, so a caller several calls up (the trainer's setup progress, through the
+# policy-folder cache) needs no callback threaded through the functions in between.
+_step_reporter: ContextVar[Callable[[int, int, float], None] | None] = ContextVar("sft_step_reporter", default=None)
+
+
+@contextmanager
+def reporting_sft_steps(report: Callable[[int, int, float], None]) -> Iterator[None]:
+    """Within the block, every sft() step calls report(step, steps, loss)."""
+    token = _step_reporter.set(report)
+    try:
+        yield
+    finally:
+        _step_reporter.reset(token)
 
 
 def build_tiny_model(cfg: ModelSection, vocab_size: int, bos_id: int | None, eos_id: int | None,
@@ -129,6 +145,7 @@ def sft(model: Transformer, examples: Sequence[Example], steps: int, lr: float =
 
     model.train()
     losses: list[float] = []
+    report = _step_reporter.get()
     for s in range(steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         n_tokens = sum(len(r) for _, r in batch)
@@ -146,64 +163,20 @@ def sft(model: Transformer, examples: Sequence[Example], steps: int, lr: float =
         losses.append(total)
         if on_progress is not None:
             on_progress(s + 1, losses[-1])
+        if report is not None:
+            report(s + 1, steps, losses[-1])
     model.eval()
     return losses
 
 
-@torch.no_grad()
-def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
-             temperature: float = 0.0, seed: int = 0, pad_id: int = 0) -> list[list[int]]:
-    """Responses (ids, ending at and including EOS when one was produced) for a batch of prompts.
+def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
+                 temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+    """Responses (ids, ending at and including EOS when one was produced) from the rollout engine."""
+    from .rollout import generate
+    from .sampling import SamplingParams
 
-    Reference implementation: every step recomputes the whole right-padded batch (causal attention
-    makes pads after a row's end harmless), so it is simple and obviously correct, not fast.
-    temperature 0 is greedy.
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    device = model.device
-    B = len(prompts)
-    seqs = [list(p) for p in prompts]
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    eos = set(eos_ids)
-    limit = model.config.max_position_embeddings
-    for _ in range(max_new_tokens):
-        live = [b for b in range(B) if not done[b]]
-        if not live:
-            break
-        T = max(len(seqs[b]) for b in live)
-        if T >= limit:
-            break
-        x = torch.full((len(live), T), pad_id, dtype=torch.long)
-        for j, b in enumerate(live):
-            x[j, : len(seqs[b])] = torch.tensor(seqs[b])
-        logits = model(x.to(device)).logits  # [N, T, V]
-        last = torch.tensor([len(seqs[b]) - 1 for b in live], device=device)
-        step_logits = logits[torch.arange(len(live), device=device), last].float().cpu()  # [N, V]
-        if temperature > 0:
-            probs = torch.softmax(step_logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-        else:
-            nxt = step_logits.argmax(-1)
-        for j, b in enumerate(live):
-            t = int(nxt[j])
-            seqs[b].append(t)
-            out[b].append(t)
-            if t in eos:
-                done[b] = True
-    return out
-
-
-def fast_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
-                  temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
-    """`generate` through the rollout engine's KV-cache decoder when it is present (same outputs)."""
-    try:
-        from .rollout import generate as engine_generate
-        from .sampling import SamplingParams
-    except ImportError:
-        return generate(model, prompts, max_new_tokens, eos_ids, temperature=temperature, seed=seed)
-    res = engine_generate(model, prompts, SamplingParams(temperature=temperature), max_new_tokens=max_new_tokens,
-                          eos_ids=eos_ids, seed=seed, harvest_hidden=False)
+    res = generate(model, prompts, SamplingParams(temperature=temperature), max_new_tokens=max_new_tokens,
+                   eos_ids=eos_ids, seed=seed, harvest_hidden=False)
     return [list(map(int, t)) for t in res.tokens]
 
 
@@ -213,7 +186,7 @@ def evaluate_longtail(model: Transformer, n: int = 64, seed: int = 12345, max_ne
 
     task = LongTailTask()
     prompts = task.sample_prompts(n, random.Random(seed))
-    responses = fast_generate(model, [p.ids for p in prompts], max_new_tokens, [task.eos_id])
+    responses = generate_ids(model, [p.ids for p in prompts], max_new_tokens, [task.eos_id])
     return sum(task.reward(p, r) for p, r in zip(prompts, responses)) / n
 
 

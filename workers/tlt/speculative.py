@@ -6,7 +6,7 @@ rollout.py owns the loop; this module holds the parts it calls once per verify p
     anc = ancestors(tree)                                   # [B, T, T]
     mask = tree_mask(lengths, anc, s_max + T)               # cache prefix + own ancestors
     ... target forward over tree.tokens ...
-    path, n_acc, nxt = walk(tree, y, stats)                 # or chain_rule(tree, p, ...)
+    path, n_acc, nxt = walk(tree, y, stats)                 # y: the target's token at every node
 
 A draft is a `Tree` rooted at each row's *pending* token: the token already emitted at cache
 position n = cache.lengths[b] but not yet fed to the target. A plain decode step is the tree with
@@ -41,7 +41,6 @@ class Tree(NamedTuple):
     valid: Tensor  # [B, T] False for padding (rows whose draft is shorter)
     max_depth: int  # deepest level any row may have
     chain: bool  # node j sits at depth j under node j-1: accepted paths need no KV compaction
-    q: Tensor | None = None  # [B, D, V] drafter distribution node j+1 was SAMPLED from (sampled chains)
 
 
 @dataclass
@@ -197,12 +196,14 @@ def _causal(lengths: Tensor, T: int, S: int) -> Tensor:
 
 
 def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s_max: int, *,
-          depth: int, topk: int, verify: int, params: SamplingParams, generator: torch.Generator | None,
-          sample_chain: bool, head: DraftHead | None = None) -> Tree:
+          depth: int, topk: int, verify: int, params: SamplingParams, u: Tensor | None = None,
+          head: DraftHead | None = None) -> Tree:
     """Draft a chain (topk == 1) or a tree for every row; s_max = max(lengths) as a host int.
 
-    Chain: depth drafter steps, each token the drafter's argmax, or (sample_chain) a draw from its
-    processed distribution q, kept for the speculative sampling rule.
+    Chain: depth drafter steps. Greedy: each token the drafter's argmax. Sampling: each token is
+    F_q^{-1}(u) for the drafter's processed distribution q at the SAME uniform u [B, depth] that
+    the target will use for that position (sampling.py), so the draft is exactly the token plain
+    decoding draws whenever q and p put that uniform in the same token's interval.
     Tree (EAGLE-2 style dynamic tree): level 1 = the top-k tokens after the root; each further
     level expands the k best frontier nodes (by cumulative drafter log-prob) into k children each;
     finally the `verify` best candidates over all levels are kept. A child's score is below its
@@ -217,33 +218,40 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     h = catch_up(drafter, dcache, hid, seq, lengths)  # [B, H]
     root = seq[rows, lengths]
     logits = head.logits(h)  # [B, V']
+    sampled = not params.greedy
 
     if topk == 1:
-        toks, qs = [], []
-        x = h[:, None]
+        toks = []
+        x, tok = h[:, None], root
         for level in range(1, depth + 1):
             if level > 1:
                 pos = (lengths + level - 2)[:, None]  # drafter position of the previous draft token
                 x = drafter(x, tok[:, None], positions=pos, cache=dcache, write_pos=pos,
                             mask=_causal(pos[:, 0], 1, s_max + level - 1))
                 logits = head.logits(x[:, 0])
-            if sample_chain:
-                q = process(logits, params)
-                tok = head.token(sample(q, generator))
-                qs.append(q)
-            else:
-                tok = head.token(logits.argmax(-1))
+            # ids ascend in the reduced vocabulary, so its CDF is the full one's restricted: same u, same order
+            tok = head.token(sample(process(logits, params), u[:, level - 1]) if sampled else logits.argmax(-1))
             toks.append(tok)
         tokens = torch.stack([root] + toks, 1)  # [B, D + 1]
         ar = torch.arange(depth + 1, device=dev).expand(B, -1)
-        return Tree(tokens, ar - 1, ar, torch.ones_like(tokens, dtype=torch.bool), depth, True,
-                    head.full(torch.stack(qs, 1)) if sample_chain else None)
+        return Tree(tokens, ar - 1, ar, torch.ones_like(tokens, dtype=torch.bool), depth, True)
 
     K = topk
     R = max(1, (depth - 1) * K)  # drafter slots of the tree region
     H = h.shape[-1]
-    score, tok = torch.log_softmax(logits.float(), -1).topk(K, -1)  # [B, K]
-    tok = head.token(tok)
+
+    def children(lg: Tensor, level: int) -> tuple[Tensor, Tensor]:
+        """The K best children of each node by drafter log-prob; when sampling, the coupled draw
+        F_q^{-1}(u) of the level's position comes first (scored as certain: 0, never above its
+        parent), since it is the child most likely to be the target's own draw."""
+        lq = torch.log_softmax(lg.float(), -1)
+        if sampled:
+            uu = u[:, level - 1].reshape(B, *([1] * (lg.dim() - 2))).expand(lg.shape[:-1])
+            lq = lq.scatter(-1, sample(process(lg, params), uu)[..., None], 0.0)
+        v, t = lq.topk(K, -1)
+        return v, head.token(t)
+
+    score, tok = children(logits, 1)  # [B, K]
     pool_tok, pool_score = [tok], [score]
     pool_par = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
     pool_dep = [torch.ones(B, K, dtype=torch.long, device=dev)]
@@ -263,8 +271,7 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
         wp = lengths[:, None] + slot0 + torch.arange(K, device=dev)
         mask = prefix | (anc.gather(2, rel.clamp(0, R - 1)[:, None, :].expand(B, K, -1)) & inside[:, None, :])
         out = drafter(ph, tok, positions=pos, cache=dcache, write_pos=wp, mask=mask)  # [B, K, H]
-        v, t = torch.log_softmax(head.logits(out).float(), -1).topk(K, -1)  # [B, K, K]
-        t = head.token(t)
+        v, t = children(head.logits(out), level)  # [B, K, K]
         cs = (score[:, :, None] + v).flatten(1)  # [B, K*K] cumulative log-prob of each child
         ct = t.flatten(1)
         pool_tok.append(ct)
@@ -283,9 +290,22 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
 
     ptok, pscore = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)
     ppar, pdep = torch.cat(pool_par, 1), torch.cat(pool_dep, 1)
-    M = ptok.shape[1]
+    return tree_from_pool(root, ptok, pscore, ppar, pdep, verify, depth)
+
+
+def tree_from_pool(root: Tensor, ptok: Tensor, pscore: Tensor, ppar: Tensor, pdep: Tensor, verify: int,
+                   depth: int) -> Tree:
+    """The `verify` best candidates of a drafted pool as a Tree under each row's root.
+
+    root [B]; pool [B, M] in level order: token, cumulative score, parent pool index (-1: the
+    root), depth. A child's score is below its parent's, and a depth penalty breaks rounded ties,
+    so the kept set is closed under ancestors; should scores ever come out of order anyway, a kept
+    node whose parent was not kept is marked invalid (never accepted), since reattaching it to the
+    root would put its token at the wrong position.
+    """
+    B, M = ptok.shape
+    dev = ptok.device
     if M > verify:
-        # depth penalty: a child never outranks its parent, even when their scores round equal
         sel = (pscore - 1e-3 * pdep).topk(verify, -1).indices.sort(1).values  # pool order = level order
     else:
         sel = torch.arange(M, device=dev).expand(B, M)
@@ -293,10 +313,12 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     table = torch.zeros(B, M + 1, dtype=torch.long, device=dev)  # pool index + 1 -> node index
     table.scatter_(1, sel + 1, torch.arange(1, N + 1, device=dev).expand(B, N))
     parent = table.gather(1, ppar.gather(1, sel) + 1)
+    dep = pdep.gather(1, sel)
+    kept = (dep == 1) | (parent > 0)  # parent 0 at depth > 1: an orphan
     zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
     tokens = torch.cat([root[:, None], ptok.gather(1, sel)], 1)
-    return Tree(tokens, torch.cat([zero - 1, parent], 1), torch.cat([zero, pdep.gather(1, sel)], 1),
-                torch.ones_like(tokens, dtype=torch.bool), depth, False)
+    return Tree(tokens, torch.cat([zero - 1, parent], 1), torch.cat([zero, dep], 1),
+                torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), kept], 1), depth, False)
 
 
 # --- the n-gram drafter ----------------------------------------------------------------------------
@@ -347,21 +369,18 @@ def chain_tree(roots: Tensor, proposals: list[list[int]], depth: int) -> Tree:
 # --- lossless verification -------------------------------------------------------------------------
 
 def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Accept the drafted path that agrees with the target's own choices.
+    """Accept the drafted path that agrees with the target's own choices: the one verification rule.
 
-    y: [B, T] the target's token at every node: its argmax (greedy) or ONE draw from the processed
-    target distribution p at that node (sampling). Starting at the root, descend to the child whose
-    token equals y[node]; stop when no child matches and emit y[node].
+    y: [B, T] the target's token at every node: its argmax (greedy), or its inverse-CDF draw from
+    the processed target distribution p at that node at the keyed uniform of the node's next
+    position (sampling.py). Starting at the root, descend to the child whose token equals y[node];
+    stop when no child matches and emit y[node].
 
-    Lossless: at each node the emitted/accepted token is y[node] ~ p(. | path so far), exactly as
-    plain decoding would draw it; drafted candidates only decide how far one pass gets. For
-    deterministic candidates (top-k tree children, n-gram chains) this is the same law as the
-    multi-candidate rule "try candidates c_1..c_k in order, accept c_i with probability
-    p(c_i) / (1 - sum_{j<i} p(c_j)), else sample from p with c_1..c_k removed, renormalised":
-    both give P(c_i) = p(c_i) and P(x) = p(x) for every other x. For an n-gram chain it is the
-    speculative sampling rule with q = one-hot(draft): accept with prob min(1, p(x)/1) = p(x),
-    else sample from norm(max(p - onehot, 0)) = p without x. Greedy: accept while the draft equals
-    the argmax, then emit the argmax.
+    Lossless, token for token: every node on the accepted path has exactly the prefix plain decoding
+    would have, and y[node] is the token plain decoding draws there (same p, same uniform), so the
+    emitted sequence IS the plain-decoding sequence; drafts only decide how far one pass gets. Each
+    uniform decides one emitted token and is independent of the prefix, so each token has law p.
+    Greedy is the same rule with argmax.
 
     Returns path [B, D+1] (node index at each accepted depth; repeats the last node past n_acc),
     n_acc [B] (draft tokens accepted) and nxt [B] (the token emitted after them).
@@ -387,49 +406,3 @@ def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None) -> tuple[Tensor,
     if stats is not None:
         stats.hist.index_add_(0, n_acc, torch.ones_like(n_acc))
     return torch.stack(path, 1), n_acc, y.gather(1, cur[:, None])[:, 0]
-
-
-def residual(p: Tensor, q: Tensor) -> Tensor:
-    """norm(max(p - q, 0)): where to sample after rejecting a draft drawn from q ([..., V])."""
-    r = (p - q).clamp(min=0)
-    s = r.sum(-1, keepdim=True)
-    # s == 0 only when p == q, where rejection has probability 0; fall back to p for safety
-    return torch.where(s > 0, r / s.clamp(min=1e-30), p)
-
-
-def accept_prob(p_x: Tensor, q_x: Tensor) -> Tensor:
-    """Probability of accepting a draft x ~ q: min(1, p(x) / q(x))."""
-    return (p_x / q_x.clamp(min=1e-30)).clamp(max=1.0)
-
-
-def chain_rule(tree: Tree, p: Tensor, generator: torch.Generator | None,
-               stats: SpecStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Speculative sampling over a chain whose drafts were sampled from tree.q.
-
-    p: [B, D+1, V] processed target distributions at nodes 0..D (same processing as q).
-    Draft d_j ~ q_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first
-    rejection the emitted token is drawn from norm(max(p_j - q_j, 0)); if all D drafts pass, a
-    bonus token is drawn from p_{D}. Each emitted token then has law exactly p_j (Leviathan et al.
-    2023, Chen et al. 2023): P(x) = q(x) min(1, p/q) + (1 - sum_y min(p(y), q(y))) r(x) = p(x).
-    Returns path, n_acc, nxt like `walk`.
-    """
-    B, D = tree.tokens.shape[0], tree.max_depth
-    dev = p.device
-    d = tree.tokens[:, 1:, None]  # [B, D, 1]
-    px = p[:, :D].gather(2, d)[..., 0]
-    qx = tree.q.gather(2, d)[..., 0]
-    u = torch.rand(B, D, generator=generator, device=dev)
-    ok = u < accept_prob(px, qx)
-    n_acc = ok.long().cumprod(1).sum(1)
-    rows = torch.arange(B, device=dev)
-    p_j = p[rows, n_acc]  # [B, V] target distribution at the first rejected (or bonus) node
-    q_j = tree.q[rows, n_acc.clamp(max=D - 1)]
-    dist = torch.where((n_acc < D)[:, None], residual(p_j, q_j), p_j)
-    nxt = sample(dist, generator)
-    if stats is not None:
-        ar = torch.arange(D, device=dev)
-        stats.attempted[:D] += (n_acc[:, None] >= ar).sum(0)
-        stats.accepted[:D] += (n_acc[:, None] > ar).sum(0)
-        stats.hist.index_add_(0, n_acc, torch.ones_like(n_acc))
-    path = torch.arange(D + 1, device=dev).expand(B, -1).minimum(n_acc[:, None])
-    return path, n_acc, nxt

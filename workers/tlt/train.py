@@ -5,10 +5,12 @@
     TLT_CONFIG="$(cat run.yaml)" python -m workers.tlt.train --out runs/demo     # what a Ray job does
 
 Metrics always go to the console and to OUT/metrics.jsonl; with TLT_INGEST_URL and TLT_RUN_TOKEN
-set they also go to the platform, through a local spool (OUT/spool, workers/tlt/spool.py) that a
-background thread delivers, so an absent web app never stops training; if the spool cannot be
-emptied at the end the exit code is 75 and a --resume delivers the rest. A bad config, or a
-task.path/model.path outside TLT_DATA_ROOTS/TLT_MODEL_ROOTS (workers/tlt/paths.py), exits with
+set they also go to the platform (setup progress included), through a local spool (OUT/spool,
+workers/tlt/spool.py) that a background thread delivers, so an absent web app never stops training;
+if the spool cannot be emptied at the end the exit code is 75 and a --resume delivers the rest. With
+TLT_MLFLOW_TRACKING_URI set they are mirrored to MLflow (experiment TLT_MLFLOW_EXPERIMENT, run name
+TLT_RUN_NAME; TLT_MLFLOW_ARTIFACTS=1 also copies the drafter and policy zips there). A bad config,
+or a task.path/model.path outside TLT_DATA_ROOTS/TLT_MODEL_ROOTS (workers/tlt/paths.py), exits with
 code 2 and names the field.
 SIGTERM (Ray job stop) abandons the step in flight, flushes the background checkpoint writer (so
 the last checkpoint is complete; --resume continues from it) and exits 143.
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, TLTConfig, load_config, preset
-from .metrics import ConsoleSink, JsonlSink, Tracking
+from .metrics import ConsoleSink, JsonlSink, MlflowSink, Tracking
 from .paths import PathRoots, config_paths_resolve
 from .spool import spool_from_env
 
@@ -65,14 +67,53 @@ def read_config(path: str | None, preset_name: str | None) -> TLTConfig:
     raise ConfigError({"config": "give a config file, --preset NAME, or YAML in the TLT_CONFIG environment variable"})
 
 
-def build_tracking(out: Path) -> Tracking:
+def build_tracking(out: Path, cfg: TLTConfig | None = None) -> Tracking:
+    """Console and OUT/metrics.jsonl always; the platform through the spool (records, artifacts and
+    progress) when the job has its ingestion URL and token; the MLflow mirror when configured."""
     sinks = [ConsoleSink(), JsonlSink(out / "metrics.jsonl")]
     url, token = os.environ.get("TLT_INGEST_URL"), os.environ.get("TLT_RUN_TOKEN")
     if url and token:
         sinks.append(spool_from_env(out, url, token))
     elif url or token:
         log.warning("TLT_INGEST_URL and TLT_RUN_TOKEN must both be set to post metrics; posting nothing")
+    mlflow = mlflow_sink(cfg)
+    if mlflow is not None:
+        sinks.append(mlflow)
     return Tracking(sinks)
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def mlflow_sink(cfg: TLTConfig | None) -> MlflowSink | None:
+    """The MLflow mirror that TLT_MLFLOW_TRACKING_URI asks for, or None (not configured, or MLflow
+    unreachable or not installed: the run goes on, reported to the platform as always)."""
+    uri = os.environ.get("TLT_MLFLOW_TRACKING_URI", "").strip()
+    if not uri:
+        return None
+    tags = {"tlt.source": "tlt-platform"}
+    for env, tag in (("TLT_RUN_ID", "tlt.run_id"), ("TLT_RUN_TEAM", "tlt.team")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    try:
+        return MlflowSink(
+            uri,
+            experiment=os.environ.get("TLT_MLFLOW_EXPERIMENT") or "tlt",
+            run_name=os.environ.get("TLT_RUN_NAME", ""),
+            tags=tags,
+            params=_flatten(cfg.model_dump(mode="json")) if cfg is not None else None,
+            upload_artifacts=os.environ.get("TLT_MLFLOW_ARTIFACTS", "").lower() in {"1", "true", "yes", "on"},
+        )
+    except Exception as exc:  # ImportError (no mlflow-skinny here), a server that is down, ...
+        log.error("not mirroring to MLflow at %s: %s", uri, exc)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tracking = build_tracking(out)
+    tracking = build_tracking(out, cfg)
     bar = tqdm(total=cfg.run.steps, desc="rl", unit="step", file=sys.stderr)
 
     def progress(step: int, scalars: dict[str, float]) -> None:

@@ -26,13 +26,9 @@ instance sized to the machine. Rollout workers ask for num_gpus=1 on CUDA config
 
 from __future__ import annotations
 
-import bisect
-import hashlib
-import json
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +44,12 @@ from .config import TLTConfig
 from .grpo import GRPOLearner, RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
+from .policies import prepare_policy_folder
+from .rollout import RolloutMetrics
+from .samples import step_samples
+from .sampling import sampling_params
 
 log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def model_cache_dir() -> Path:
-    """Where SFT'd tiny models and converted checkpoints are cached (env TLT_MODEL_CACHE)."""
-    return Path(os.environ.get("TLT_MODEL_CACHE") or REPO_ROOT / "var" / "models")
 
 
 def resolve_device(cfg: TLTConfig) -> str:
@@ -65,51 +58,12 @@ def resolve_device(cfg: TLTConfig) -> str:
     return cfg.run.device
 
 
-# --- models -----------------------------------------------------------------------------------
-
-
-def tiny_model_key(cfg: TLTConfig) -> str:
-    """Cache key of the SFT'd tiny model: everything that changes its weights."""
-    m = cfg.model
-    data = {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv": m.num_kv_heads,
-            "sft_steps": m.sft_steps, "seed": cfg.run.seed, "task": cfg.task.kind, "v": 1}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def prepare_policy_folder(cfg: TLTConfig) -> Path:
-    """A Hugging Face folder with the starting policy (built and cached on first use)."""
-    source = cfg.model.source
-    if source == "hf":
-        folder = Path(cfg.model.path)
-        if not (folder / "config.json").exists():
-            raise FileNotFoundError(f"model.path {folder} has no config.json")
-        return folder
-    if source == "smollm2-135m":
-        from .smollm2 import ensure_smollm2
-
-        return ensure_smollm2(model_cache_dir() / "smollm2-135m")
-    # tiny: build + supervised warm-up on the long-tail task, cached by config hash
-    folder = model_cache_dir() / f"tiny-{tiny_model_key(cfg)}"
-    if (folder / "model.safetensors").exists() and (folder / "config.json").exists():
-        return folder
-    from .sft import train_tiny_longtail
-
-    log.info("training the tiny policy (%d SFT steps) into %s", cfg.model.sft_steps, folder)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    train_tiny_longtail(cfg.model, cfg.model.sft_steps, out=tmp, seed=cfg.run.seed)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process got there first: theirs is as good as ours
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
 def make_run_task(cfg: TLTConfig, policy_folder: Path):
     from .tasks import make_task
 
     if cfg.task.kind == "longtail":
         return make_task("longtail")
-    return make_task(cfg.task.kind, tokenizer=policy_folder, path=cfg.task.path)
+    return make_task(cfg.task.kind, tokenizer=policy_folder, path=cfg.task.path, hard_fraction=cfg.task.hard_fraction)
 
 
 # --- Ray --------------------------------------------------------------------------------------
@@ -131,7 +85,7 @@ def ensure_ray(num_cpus: int | None = None) -> bool:
     return True
 
 
-# --- metrics merging --------------------------------------------------------------------------
+# --- metrics ----------------------------------------------------------------------------------
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -146,79 +100,6 @@ def length_scalars(lengths: list[int]) -> dict[str, float]:
         "rollout/len_p99": _percentile(lengths, 99),
         "rollout/len_max": float(max(lengths)) if lengths else 0.0,
     }
-
-
-def merge_rollout_metrics(per_worker: list[dict[str, Any]], offsets: list[float]) -> tuple[dict[str, float], dict[str, Any]]:
-    """Merge the workers' rollout metrics into rollout/* and spec/* scalars and series.
-
-    offsets[i]: seconds between the step's rollout start and worker i's generation start (each
-    worker's `running` curve is relative to its own start). Counters are summed before dividing,
-    so a worker that decoded more weighs more.
-    """
-    tot = lambda key: float(sum(float(m.get(key, 0.0) or 0.0) for m in per_worker))  # noqa: E731
-    wall = max((float(m.get("wall_s", 0.0)) + off for m, off in zip(per_worker, offsets)), default=0.0)
-    # acceptance length: tokens per row per verify pass = sum (k+1) * hist[k] / sum hist[k]
-    passes = emitted = 0.0
-    for m in per_worker:
-        for k, c in enumerate(m.get("accepted_hist") or []):
-            passes += c
-            emitted += (k + 1) * c
-    scalars = {
-        "rollout/tokens_per_s": tot("total_tokens") / wall if wall > 0 else 0.0,
-        "rollout/tail_tokens_per_s_sd": tot("tail_tokens_sd") / tot("tail_s_sd") if tot("tail_s_sd") > 0 else 0.0,
-        "rollout/tail_tokens_per_s_no_sd": (tot("tail_tokens_no_sd") / tot("tail_s_no_sd")
-                                            if tot("tail_s_no_sd") > 0 else 0.0),
-        "spec/acceptance_length": emitted / passes if passes > 0 else 0.0,
-        "spec/switch_on_s": -1.0,
-        "spec/verify_passes": tot("verify_passes"),
-        "rollout/wall_s": wall,
-        # the longest worker's decode time in the tail (its running sequences <= spec.threshold)
-        "rollout/tail_s": max((float(m.get("tail_s_sd", 0.0)) + float(m.get("tail_s_no_sd", 0.0)) for m in per_worker),
-                              default=0.0),
-    }
-    # acceptance by draft position: sum attempts and accepts over workers
-    attempted: list[float] = []
-    accepted: list[float] = []
-    for m in per_worker:
-        a, c = m.get("attempted_by_pos") or [], m.get("accepted_by_pos") or []
-        for i, (x, y) in enumerate(zip(a, c)):
-            if i >= len(attempted):
-                attempted.append(0.0)
-                accepted.append(0.0)
-            attempted[i] += float(x)
-            accepted[i] += float(y)
-    accept_by_pos = [c / a if a > 0 else 0.0 for a, c in zip(attempted, accepted)]
-
-    strategy: dict[str, dict[str, int]] = {}
-    for m in per_worker:
-        for bucket, arms in (m.get("strategy") or {}).items():
-            dst = strategy.setdefault(bucket, {})
-            for arm, count in arms.items():
-                dst[arm] = dst.get(arm, 0) + int(count)
-
-    # running sequences over rollout time: the sum of every worker's step function
-    curves = []
-    for m, off in zip(per_worker, offsets):
-        pts = m.get("running") or []  # [[t_s, running, sd_on], ...] at each change
-        if pts:
-            curves.append(([float(p[0]) + off for p in pts], [int(p[1]) for p in pts], [int(bool(p[2])) for p in pts]))
-    times = sorted({t for c in curves for t in c[0]})
-    running, sd = [], []
-    for t in times:
-        n = s_on = 0
-        for ts, rs, sds in curves:
-            i = bisect.bisect_right(ts, t) - 1
-            if i >= 0:
-                n += rs[i]
-                s_on = max(s_on, sds[i])
-        running.append(n)
-        sd.append(s_on)
-    series = {
-        "rollout/running": {"t": [round(t, 4) for t in times], "running": running, "sd": sd},
-        "spec/accept_by_position": accept_by_pos,
-        "spec/strategy": strategy,
-    }
-    return scalars, series
 
 
 # --- the trainer ------------------------------------------------------------------------------
@@ -244,7 +125,8 @@ class Trainer:
         self.resume = resume
         self.progress = progress
         self.worker_actor = worker_actor  # Ray actor class of rollout workers (default ray_workers.RolloutWorker)
-        self.tlt = cfg.run.tlt
+        self.tlt = cfg.run.tlt  # SD in the tail
+        self.spot = self.tlt and cfg.drafter.spot_training  # and the drafter trained on idle workers
         self.device = resolve_device(cfg)
         self.step = 0
         self.workers: list[Any] = []
@@ -256,6 +138,7 @@ class Trainer:
         self._stop_requested = False
         self._records_from_learner = cfg.rollout.engine == "vllm"  # set from the workers after each step
         self.setup_s: dict[str, float] = {}  # seconds of each setup part (policy, drafter_warmup, actors)
+        self.warmup_info: dict[str, Any] = {}  # the drafter warm-up's summary (drafter_warmup.warmup_drafter)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -269,14 +152,21 @@ class Trainer:
         if self.device == "cpu":
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
+        from .sft import reporting_sft_steps
+
         t = time.perf_counter()
-        self.policy_folder = prepare_policy_folder(cfg)
+        sft_total = cfg.model.sft_steps if cfg.model.source == "tiny" else 1  # progress: SFT steps, or one load
+        self.tracking.progress("policy", 0, sft_total, "preparing the policy")
+        with reporting_sft_steps(lambda s, n, loss: self.tracking.progress(
+                "policy", s, n, f"SFT step {s}/{n}, loss {loss:.3f}")):  # only when not cached
+            self.policy_folder = prepare_policy_folder(cfg)
+        self.tracking.progress("policy", sft_total, sft_total, "policy ready")
         self.setup_s["policy"] = time.perf_counter() - t
         self.task = make_run_task(cfg, self.policy_folder)
         dtype = getattr(torch, cfg.model.dtype)
         self.policy = Transformer.from_pretrained(self.policy_folder, dtype=dtype, device=self.device)
         self.eos_ids = sorted({self.task.eos_id, *self.policy.config.eos_ids})
-        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id)
+        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id, sampling=sampling_params(cfg.rollout))
         self.prompt_rng = random.Random(cfg.run.seed)
 
         from .buffer import DrafterBuffer
@@ -293,23 +183,35 @@ class Trainer:
         self.setup_s["drafter_warmup"] = time.perf_counter() - t
         self.drafter_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
         t = time.perf_counter()
+        W = cfg.rollout.num_workers
+        self.tracking.progress("actors", 0, W, f"starting {W} rollout workers")
         self._start_actors()
+        self.tracking.progress("actors", W, W, "rollout workers ready")
         self.setup_s["actors"] = time.perf_counter() - t
+        self.tracking.progress("rl", self.step, cfg.run.steps, f"step {self.step}/{cfg.run.steps}")
 
     def _warmup_drafter(self) -> None:
-        """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only)."""
-        from .drafter_train import DrafterTrainer
+        """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only;
+        drafter_warmup.py: one recipe with the rollout bench, cached across runs)."""
+        from .drafter_warmup import warmup_drafter, weights_digest
 
         cfg = self.cfg
-        t = time.perf_counter()
-        prompts = self.task.sample_prompts(max(cfg.drafter.warmup_prompts, cfg.task.prompts_per_step * 2),
-                                           random.Random(cfg.run.seed + 7))
-        trainer = DrafterTrainer(self.drafter, cfg.drafter, seed=cfg.run.seed)
-        steps = trainer.warmup(self.policy, [p.ids for p in prompts], cfg.drafter.warmup_steps,
-                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                               seed=cfg.run.seed)
+        prompts, steps = cfg.drafter.warmup_prompts, cfg.drafter.warmup_steps
+        total = prompts + steps  # progress: the policy's answers first, then the optimizer steps
+
+        def report(done: int, of: int, what: str) -> None:
+            at = done if what == "answers" else prompts + done
+            self.tracking.progress("drafter_warmup", at, total, f"{what} {done}/{of}")
+
+        report(0, prompts, "answers")
+        drafter, info = warmup_drafter(self.policy, self.task, cfg.drafter, sampling=sampling_params(cfg.rollout),
+                                       policy_key=weights_digest(self.policy_folder),
+                                       max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
+                                       on_progress=report)
+        self.tracking.progress("drafter_warmup", total, total, "drafter ready" + (" (cached)" if info["cached"] else ""))
+        self.drafter.load_state_dict(drafter.state_dict())
         self.drafter.eval()
-        log.info("drafter warm-up: %d steps in %.1fs (%s)", steps, time.perf_counter() - t, trainer.last_metrics)
+        self.warmup_info = info
 
     def _start_actors(self) -> None:
         from .ray_workers import Coordinator, RolloutWorker
@@ -326,7 +228,6 @@ class Trainer:
             for i in range(W)
         ]
         ray.get([w.load_worker_state.remote(s) for w, s in zip(self.workers, self.worker_states)])
-        self._policy_dirty = True
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -430,30 +331,32 @@ class Trainer:
                 shard_rows = [rows[g * n + j] for g in shard for j in range(n)]
                 seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
                 refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
-            if self.tlt:  # while the workers generate; they wait for it only when they report done
+            if self.spot:  # while the workers generate; they wait for it only when they report done
                 begun = self.coordinator.begin_step.remote(step, drafter_ref, self._prev_records_ref())
             results = ray.get(refs)
-            if self.tlt:  # the rollout is over: stop spot training now; collect it after the learner
+            if self.spot:  # the rollout is over: stop spot training now; collect it after the learner
                 for w in self.workers:
                     w.preempt.remote()
                 finished = self.coordinator.finish.remote()
 
-        t_end = time.time()
         self.last_results = results
-        self.last_rollout_window = (t0, t_end)
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         lengths: list[int] = []
+        hit_eos: list[bool] = []
+        from_draft: list[list[int] | None] = []
         for res in results:  # shards are contiguous prompt ranges in worker order: group order holds
             tokens.extend(res["tokens"])
             logprobs.extend(res["logprobs"])
             lengths.extend(res["lengths"])
+            hit_eos.extend(res["finished"])
+            from_draft.extend(res.get("from_draft") or [None] * len(res["tokens"]))
 
         with self.acct.phase("reward"):
             rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
 
         # an engine without hidden states (vLLM): the learner's old-log-prob pass computes them anyway
-        from_learner = self.tlt and not all(r["harvested"] for r in results)
+        from_learner = self.spot and not all(r["harvested"] for r in results)
         self._records_from_learner = from_learner
         with self.acct.phase("learner"):
             batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
@@ -462,7 +365,7 @@ class Trainer:
 
         drafter_stats: dict[str, float] = {}
         with self.acct.phase("buffer"):
-            if self.tlt:  # the workers' records and spot training, and the master drafter (long done by now)
+            if self.spot:  # the workers' records and spot training, and the master drafter (long done by now)
                 ray.get(begun)
                 self.drafter_state, drafter_stats = ray.get(finished)
                 for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
@@ -472,7 +375,7 @@ class Trainer:
                     if resp:
                         self.buffer.add(list(prompt) + list(resp), hid, len(prompt), step)
                 self.learner.last_hidden = None
-            elif self.tlt:
+            elif self.spot:
                 for res in results:
                     for ref in res["records"] or []:
                         for r in ray.get(ref):
@@ -482,8 +385,10 @@ class Trainer:
         times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
                              [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
         idle_scalars, timeline = self.acct.rollout(t0, times)
-        roll_scalars, roll_series = merge_rollout_metrics([r["metrics"] for r in results],
-                                                          [r["gen_start"] - t0 for r in results])
+        rollout = RolloutMetrics.merge([RolloutMetrics.from_dict(r["metrics"]) for r in results],
+                                       [r["gen_start"] - t0 for r in results])
+        roll_scalars, roll_series = rollout.scalars(), rollout.series()
+        roll_series.pop("rollout/lengths")  # the step's own list below: in sample order
         scalars: dict[str, float] = {}
         scalars["reward/mean"] = float(np.mean(rewards)) if rewards else 0.0
         scalars["reward/accuracy"] = float(np.mean([r > 0.5 for r in rewards])) if rewards else 0.0
@@ -491,14 +396,17 @@ class Trainer:
         scalars.update(roll_scalars)
         scalars.update(learner_metrics)
         scalars.update(idle_scalars)
-        scalars.update({"drafter/loss": 0.0, "drafter/accuracy": 0.0})
-        scalars.update(drafter_stats)  # the coordinator's drafter/steps counts whole updates only
+        scalars.update(drafter_stats)  # loss/accuracy only when an update was applied: no fake zeros
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
         scalars.update(self.acct.timings())
-        series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series}
+        series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series,
+                  "rollout/samples": step_samples([prompts[i // n].text for i in range(len(tokens))], tokens,
+                                                  from_draft, rewards, hit_eos, self._decode_token, step=step,
+                                                  seed=cfg.run.seed)}
 
         self.tracking.log(step, scalars, series)
+        self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
         interval = cfg.run.checkpoint_interval
         if (interval and step % interval == 0) or step == cfg.run.steps:
             self.save_checkpoint()
@@ -508,6 +416,9 @@ class Trainer:
         if self.progress is not None:
             self.progress(step, scalars)
         return out
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.task.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def run(self) -> dict[str, Any]:
         """Run the remaining steps (all of them, or those after the resumed checkpoint)."""

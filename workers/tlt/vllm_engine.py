@@ -16,9 +16,10 @@ How each TLT part maps onto vLLM:
 - Policy: `vllm.LLM` over a local HF folder (Transformer.save_pretrained). Prompts go in as
   `TokensPrompt` and tokens come out as ids, so no tokenizer is needed (skip_tokenizer_init).
   Each sequence stops at any of `eos_ids` (stop_token_ids, ignore_eos) or at max_new_tokens.
-- Log-probs: `SamplingParams(logprobs=0)` returns the chosen token's log-prob; vLLM's default
-  logprobs_mode "raw_logprobs" is log-softmax of the raw logits (temperature 1, no top-k/top-p),
-  the same quantity the built-in engine reports.
+- Log-probs: `SamplingParams(logprobs=0)` returns the chosen token's log-prob, and the engine is
+  built with `logprobs_mode="processed_logprobs"`: log-probs after temperature, top-k and top-p,
+  the distribution the token was drawn from, as the built-in engine reports them
+  (sampling.token_logprobs) and the learner scores them.
 - Drafter: EAGLE, `speculative_config={"method": "eagle", "model": <exported drafter folder>,
   "num_speculative_tokens": k}` (folder layout: DESIGN.md section 6, export.py). vLLM drafts chains
   only, so k is the depth of the first chain arm (top-k 1) in spec.strategies.
@@ -252,6 +253,7 @@ class VllmRolloutEngine:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             disable_log_stats=False,  # the spec-decode counters need stat logging
             worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",  # of the distribution sampled from, like the learner's
         )
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
@@ -285,7 +287,7 @@ class VllmRolloutEngine:
             temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, max_tokens=max_new_tokens,
             stop_token_ids=sorted(set(int(e) for e in eos_ids)), ignore_eos=True,  # stop only at eos_ids
-            logprobs=0,  # the chosen token's log-prob (raw logits, like the built-in engine)
+            logprobs=0,  # the chosen token's log-prob (processed: see logprobs_mode)
             detokenize=False, seed=None if params.greedy else seed,
             output_kind=RequestOutputKind.DELTA,  # new tokens per step: lets us time the tail
         )

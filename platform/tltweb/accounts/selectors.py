@@ -15,6 +15,11 @@ def team_list_for_user(*, user: User, need: str = "view") -> list[Team]:
     return [m.team for m in members if m.allows(need)]
 
 
+def member_list_for_user(*, user: User) -> QuerySet[Member]:
+    """The user's memberships (team and role), by team name."""
+    return Member.objects.select_related("team").filter(user=user).order_by("team__name")
+
+
 def member_get(*, user: User, team_id: int) -> Member | None:
     if not user.is_authenticated:
         return None

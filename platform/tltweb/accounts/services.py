@@ -10,7 +10,7 @@ from axes.handlers.proxy import AxesProxyHandler
 from django.contrib.auth.models import User
 from django.contrib.auth.signals import user_login_failed
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.http import HttpRequest
 from django.utils import timezone
 
@@ -27,10 +27,21 @@ def token_matches(token: str, stored_hash: str) -> bool:
     return hmac.compare_digest(token_hash(token), stored_hash)
 
 
-@transaction.atomic
 def team_create(*, name: str, owner: User) -> Team:
-    team = Team.objects.create(name=name)
-    Member.objects.create(team=team, user=owner, role=Role.OWNER)
+    """A new team with `owner` as its first owner; ValidationError when the name is blank or taken."""
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": "a team needs a name"})
+    if len(name) > 100:
+        raise ValidationError({"name": "at most 100 characters"})
+    try:
+        with transaction.atomic():
+            if Team.objects.filter(name__iexact=name).exists():
+                raise IntegrityError
+            team = Team.objects.create(name=name)
+            Member.objects.create(team=team, user=owner, role=Role.OWNER)
+    except IntegrityError:
+        raise ValidationError({"name": f"a team named {name!r} already exists"}) from None
     return team
 
 

@@ -21,8 +21,21 @@ def _errors(exc: ValidationError) -> str:
 
 @login_required
 def team_list(request: HttpRequest) -> HttpResponse:
-    teams = selectors.team_list_for_user(user=request.user)
-    return render(request, "accounts/teams.html", {"teams": teams})
+    members = selectors.member_list_for_user(user=request.user)
+    return render(request, "accounts/teams.html", {"members": members})
+
+
+@login_required
+@require_POST
+def team_create(request: HttpRequest) -> HttpResponse:
+    """Any signed-in user may start a team; they become its owner and invite the others."""
+    try:
+        team = services.team_create(name=request.POST.get("name", ""), owner=request.user)
+    except ValidationError as exc:
+        messages.error(request, "Team not created: " + _errors(exc))
+        return redirect("team-list")
+    messages.success(request, f"Created {team.name}. Invite members by username below.")
+    return redirect("team-detail", team_id=team.pk)
 
 
 @login_required

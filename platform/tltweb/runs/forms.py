@@ -20,3 +20,13 @@ class RunEditForm(forms.Form):
     name = forms.CharField(max_length=200)
     tags = forms.CharField(max_length=500, required=False)
     notes = forms.CharField(widget=forms.Textarea(attrs={"rows": 4}), required=False)
+
+
+class SampleFilterForm(forms.Form):
+    """The sample viewer's GET filters (all optional)."""
+
+    step = forms.IntegerField(min_value=0, required=False)
+    min_reward = forms.FloatField(required=False, label="reward ≥")
+    max_reward = forms.FloatField(required=False, label="reward ≤")
+    min_length = forms.IntegerField(min_value=0, required=False, label="length ≥")
+    max_length = forms.IntegerField(min_value=0, required=False, label="length ≤")

@@ -65,6 +65,9 @@ class Run(models.Model):
     attempts_log = models.JSONField(default=list, blank=True)  # earlier attempts: [{attempt, submission_id, state, error, ...}]
     out_dir = models.CharField(max_length=500, blank=True)  # the trainer's --out, fixed at the first submit
     job_stopped_at = models.DateTimeField(null=True, blank=True)  # cancelled runs: when Ray confirmed the job stopped
+    # The trainer's latest setup/training progress (services.run_progress_record): phase, done,
+    # total, message, when the phase began and where it stood then (the ETA's rate), finished phases.
+    progress = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -120,3 +123,28 @@ class Artifact(models.Model):
     @property
     def team(self) -> Team:
         return self.run.team
+
+
+class RolloutSample(models.Model):
+    """A few of a step's responses as the policy generated them (series "rollout/samples").
+
+    Kept out of MetricStep.series so the charts, which load every step's record, never read them.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="rollout_samples")
+    step = models.PositiveIntegerField()
+    sample = models.PositiveIntegerField()  # the sample's index in the step's rollout
+    prompt = models.TextField()
+    tokens = models.JSONField(default=list)  # [str]: the response, token by token
+    from_draft = models.JSONField(default=list)  # [0|1] per token: 1 = proposed by the drafter and accepted
+    drafted = models.PositiveIntegerField(default=0)  # sum(from_draft)
+    reward = models.FloatField(null=True)
+    length = models.PositiveIntegerField()
+    truncated = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["step", "sample"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "step", "sample"], name="rolloutsample_unique_run_step_sample")
+        ]
+        indexes = [models.Index(fields=["run", "step"], name="rolloutsample_run_step")]

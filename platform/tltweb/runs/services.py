@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,12 @@ from django.utils import timezone
 from tltweb.accounts.models import Member, Team
 from tltweb.accounts.services import token_hash
 from tltweb.runs import dispatch
-from tltweb.runs.errors import RunFinished, RunStateError
-from tltweb.runs.models import ACTIVE_STATES, Artifact, Failure, MetricStep, Run, RunState
+from tltweb.runs.errors import RunFinished, RunStateError  # noqa: F401  (RunStateError: services.RunStateError)
+from tltweb.runs.logtext import log_clean, log_tail
+from tltweb.runs.models import ACTIVE_STATES, Artifact, Failure, MetricStep, RolloutSample, Run, RunState
 from tltweb.runs.uploads import HashedUpload
 from workers.tlt.config import PRESETS, ConfigError, TLTConfig, load_config, preset as preset_config
+from workers.tlt.metrics import SAMPLES_KEY  # the series of a step's sample responses (stored in RolloutSample)
 from workers.tlt.paths import PathRoots, config_paths_resolve
 from workers.tlt.train import EXIT_BAD_CONFIG  # light: torch and ray are imported only when training starts
 
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 8000
 MAX_TAGS = 20
 EXIT_TRAINER_ERROR = 1  # an exception of the trainer's own (the trainer's other exit codes: workers.tlt.train)
+PROGRESS_PHASES = ("policy", "drafter_warmup", "actors", "rl")  # the trainer's, in order
 
 
 def text_clean(value: str, *, field: str) -> str:
@@ -188,11 +192,14 @@ def run_update(*, run: Run, tags: list[str] | str | None = None, notes: str | No
 
 
 def run_cancel(*, run: Run) -> Run:
-    """Mark an active run cancelled now and stop its Ray job in the background (checkpoints kept)."""
+    """Mark an active run cancelled now and stop its Ray job in the background (checkpoints kept).
+
+    Raises RunStateError when the run has already ended: there is nothing left to cancel.
+    """
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=run.pk)
         if run.state not in ACTIVE_STATES:
-            return run
+            raise RunStateError(f"the run is {run.state}: only queued or running runs can be cancelled")
         _finish(run, RunState.CANCELLED)
         run.job_stopped_at = None if run.submitted_at else timezone.now()  # nothing to stop when never submitted
         run.save(update_fields=["job_stopped_at"])
@@ -226,7 +233,7 @@ def run_resume(*, run: Run, user: User | None = None) -> Run:
         if not run.is_resumable:
             why = "its Ray job has not confirmed it stopped yet" if run.state == RunState.CANCELLED else (
                 "its config is invalid; launch a corrected copy" if run.state == RunState.FAILED else f"it is {run.state}")
-            raise RunStateError({"state": f"this run cannot be resumed: {why}"})
+            raise RunStateError(f"this run cannot be resumed: {why}")
         _resume(run, by=user.username if user is not None else "auto")
     return run
 
@@ -295,6 +302,7 @@ def run_job_env(run: Run, token: str) -> dict[str, str]:
         "TLT_INGEST_MAX_WAIT_S": str(settings.TLT_INGEST_MAX_WAIT_S),
         "TLT_INGEST_DRAIN_S": str(settings.TLT_INGEST_DRAIN_S),
         "TLT_INGEST_PAUSE_S": str(settings.TLT_INGEST_PAUSE_S),
+        **run_mlflow_env(run),
     }
 
 
@@ -356,6 +364,20 @@ def run_submit(*, run_id: uuid.UUID | str, client: Any = None) -> str:
     return outcome
 
 
+def run_mlflow_env(run: Run) -> dict[str, str]:
+    """The job's MLflow mirror settings (workers.tlt.train.build_tracking); {} when none is configured."""
+    if not settings.TLT_MLFLOW_TRACKING_URI:
+        return {}
+    return {
+        "TLT_MLFLOW_TRACKING_URI": settings.TLT_MLFLOW_TRACKING_URI,
+        "TLT_MLFLOW_EXPERIMENT": settings.TLT_MLFLOW_EXPERIMENT or run.team.name,
+        "TLT_RUN_NAME": run.name,
+        "TLT_RUN_ID": str(run.id),
+        "TLT_RUN_TEAM": run.team.name,
+        "TLT_MLFLOW_ARTIFACTS": "1" if settings.TLT_MLFLOW_ARTIFACTS else "0",
+    }
+
+
 def run_stop_job(*, run_id: uuid.UUID | str, client: Any = None) -> bool:
     """Stop the run's Ray job if it runs (the trainer's --out folder and checkpoints stay).
 
@@ -413,7 +435,7 @@ def run_sync_status(*, run: Run, client: Any) -> Run:
     logs = ""
     if state not in ACTIVE_STATES and info is not None:
         try:
-            logs = client.get_job_logs(run.submission_id)[-LOG_TAIL_CHARS:]
+            logs = run_log_save(run=run, text=client.get_job_logs(run.submission_id))
         except Exception as exc:  # logs are a nicety; the state change is not
             log.warning("no logs for %s: %s", run.submission_id, exc)
     attempt = run.attempt
@@ -481,19 +503,95 @@ def _require_active(run: Run) -> None:
 def metrics_record(*, run: Run, step: int, scalars: dict[str, float], series: dict[str, Any]) -> MetricStep:
     """Upsert one step's record (a retried post replaces it); a queued run becomes running.
 
+    The step's sample responses (series "rollout/samples") go to their own table (RolloutSample).
     Raises RunFinished when the run has reached a final state (checked under the row lock that
     state changes take too, so no record lands after the run ended).
     """
+    series = _json_clean(series)
+    samples = series.pop(SAMPLES_KEY, None)
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
         _require_active(locked)
         row, _ = MetricStep.objects.update_or_create(
-            run=locked, step=step, defaults={"scalars": _json_clean(scalars), "series": _json_clean(series)}
+            run=locked, step=step, defaults={"scalars": _json_clean(scalars), "series": series}
         )
+        if samples is not None:
+            rollout_samples_store(run=locked, step=step, samples=samples)
         if locked.state == RunState.QUEUED:
             locked.state, locked.started_at = RunState.RUNNING, locked.started_at or timezone.now()
             locked.save(update_fields=["state", "started_at"])
     return row
+
+
+def rollout_samples_store(*, run: Run, step: int, samples: list[dict[str, Any]]) -> list[RolloutSample]:
+    """Replace the step's stored samples (a retried post replaces them, as its metrics).
+
+    `samples`: validated dicts {sample, prompt, tokens, from_draft, reward, length, truncated}.
+    """
+    rows = [
+        RolloutSample(
+            run=run, step=step, sample=int(s["sample"]), prompt=s["prompt"], tokens=list(s["tokens"]),
+            from_draft=[int(bool(x)) for x in s["from_draft"]], drafted=sum(1 for x in s["from_draft"] if x),
+            reward=s.get("reward"), length=int(s["length"]), truncated=bool(s.get("truncated", False)),
+        )
+        for s in samples
+    ]
+    with transaction.atomic():
+        RolloutSample.objects.filter(run=run, step=step).delete()
+        RolloutSample.objects.bulk_create(rows)
+    return rows
+
+
+def run_progress_record(*, run: Run, phase: str, done: int, total: int, message: str = "") -> dict[str, Any]:
+    """Keep the trainer's latest progress on the run; a queued run becomes running.
+    Raises RunFinished for a run that has reached a final state.
+
+    A new phase (or a phase that starts over) notes when and where it began, so the selectors can
+    derive the rate and the ETA; the phase it replaces is kept in `history` with its duration.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        _require_active(locked)  # RunFinished: an ended run's page keeps what it showed
+        prev = locked.progress or {}
+        history = list(prev.get("history", []))
+        same_phase = prev.get("phase") == phase and done >= int(prev.get("done", 0))
+        if same_phase:
+            began_at, began_done = prev["began_at"], int(prev.get("began_done", 0))
+        else:
+            if prev.get("phase") and prev.get("phase") != phase:
+                seconds = (now - datetime.fromisoformat(prev["began_at"])).total_seconds()
+                history = [h for h in history if h["phase"] != prev["phase"]]
+                history.append({"phase": prev["phase"], "seconds": round(seconds, 1)})
+            began_at, began_done = now.isoformat(), done
+        locked.progress = {
+            "phase": phase, "done": done, "total": total, "message": message[:500],
+            "began_at": began_at, "began_done": began_done, "updated_at": now.isoformat(),
+            "history": history[-len(PROGRESS_PHASES) * 2:],
+        }
+        fields = ["progress"]
+        if locked.state == RunState.QUEUED:
+            locked.state, locked.started_at = RunState.RUNNING, locked.started_at or now
+            fields += ["state", "started_at"]
+        locked.save(update_fields=fields)
+    run.progress = locked.progress
+    return locked.progress
+
+
+def run_log_path(run: Run) -> Path:
+    return artifact_folder(run) / "job.log"
+
+
+def run_log_save(*, run: Run, text: str) -> str:
+    """Keep the job's whole log (cleaned: no ANSI codes, tqdm collapsed) next to the run's
+    artifacts, for download; returns its tail, which the run page shows."""
+    clean = log_clean(text)
+    path = run_log_path(run)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    tmp.write_text(clean, encoding="utf-8")
+    tmp.replace(path)
+    return log_tail(clean, chars=LOG_TAIL_CHARS)
 
 
 def artifact_folder(run: Run) -> Path:

@@ -2,35 +2,67 @@
 
 from __future__ import annotations
 
-import json
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from tltweb.accounts.selectors import team_list_for_user
-from tltweb.api.views import artifact_file_response
-from tltweb.runs import selectors, services
-from tltweb.runs.forms import LaunchForm, RunEditForm
+from tltweb.runs import downloads, selectors, services
+from tltweb.runs.forms import LaunchForm, RunEditForm, SampleFilterForm
+from tltweb.runs.logtext import log_clean
 from tltweb.runs.models import RunState
 from workers.tlt.config import PRESETS, ConfigError
 from workers.tlt.metrics import SCALAR_KEYS
 
 
+RUN_COLUMNS = [  # (sort key or "", header) of the run list, in order
+    ("", ""), ("name", "Name"), ("state", "State"), ("step", "Progress"), ("", "Phase"), ("duration", "Duration"),
+    ("reward", "Reward"), ("acceptance", "Acceptance"), ("", "Team"), ("", "Creator"), ("", "Preset"), ("", "Tags"),
+    ("created", "Created"),
+]
+
+
 @login_required
 def run_list(request: HttpRequest) -> HttpResponse:
+    """Filters and sort live in the URL (a bookmark keeps them); run_list.js polls the API with the
+    same query string and redraws the rows."""
     filters = {k: request.GET.get(k, "").strip() for k in ("state", "tag", "creator", "preset", "q")}
-    runs = selectors.run_list_for_user(user=request.user, **filters)[:300]
+    sort = request.GET.get("sort", "-created")
+    if not selectors.run_sort_valid(sort):
+        sort = "-created"
+    runs = list(selectors.run_list_for_user(user=request.user, sort=sort, **filters)[:300])
+    for run in runs:
+        run.live = selectors.run_live(run)
+    query = {k: v for k, v in filters.items() if v}
+    columns = []
+    for key, label in RUN_COLUMNS:
+        if not key:
+            columns.append({"label": label})
+            continue
+        current = sort.lstrip("-") == key
+        desc = sort.startswith("-")
+        # first click on a number sorts high to low, on a name a-z; a second click flips it
+        default_desc = key in {"step", "duration", "reward", "acceptance", "created"}
+        nxt = ("" if desc else "-") if current else ("-" if default_desc else "")
+        columns.append({
+            "key": key, "label": label, "current": current, "desc": desc,
+            "href": "?" + urlencode({**query, "sort": nxt + key}),
+        })
     ctx = {
         "runs": runs,
         "filters": filters,
+        "sort": sort,
+        "columns": columns,
         "states": RunState.choices,
         "choices": selectors.run_filter_choices(user=request.user),
         "can_launch": bool(team_list_for_user(user=request.user, need="edit")),
+        "api_url": reverse("api-runs"),
     }
     return render(request, "runs/list.html", ctx)
 
@@ -87,6 +119,10 @@ def run_detail(request: HttpRequest, run_id: str) -> HttpResponse:
     ctx = {
         "run": run,
         "can_edit": member.allows("edit"),
+        "progress": selectors.run_progress(run),
+        "log_tail": log_clean(run.log_tail) if run.log_tail else "",
+        "has_log": not run.is_active and selectors.run_log_text(run=run) is not None,
+        "has_samples": bool(selectors.rollout_sample_steps(run=run)),
         "artifacts": selectors.artifact_list(run=run),
         "edit_form": RunEditForm(initial={"name": run.name, "tags": ", ".join(run.tags), "notes": run.notes}),
         "metrics_url": reverse("api-run-metrics", args=[run.id]),
@@ -99,8 +135,12 @@ def run_detail(request: HttpRequest, run_id: str) -> HttpResponse:
 @require_POST
 def run_cancel(request: HttpRequest, run_id: str) -> HttpResponse:
     run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
-    services.run_cancel(run=run)
-    messages.info(request, "Run cancelled; its checkpoints are kept.")
+    try:
+        services.run_cancel(run=run)
+    except services.RunStateError as exc:
+        messages.error(request, f"Not cancelled: {exc}.")
+    else:
+        messages.info(request, "Run cancelled; its checkpoints are kept.")
     return redirect("run-detail", run_id=run.id)
 
 
@@ -111,8 +151,8 @@ def run_resume(request: HttpRequest, run_id: str) -> HttpResponse:
     try:
         run = services.run_resume(run=run, user=request.user)
         messages.success(request, f"Resuming from the last checkpoint (attempt {run.attempt + 1}).")
-    except ValidationError as exc:
-        messages.error(request, "; ".join(exc.messages))
+    except services.RunStateError as exc:
+        messages.error(request, f"Not resumed: {exc}.")
     return redirect("run-detail", run_id=run.id)
 
 
@@ -141,7 +181,44 @@ def run_edit(request: HttpRequest, run_id: str) -> HttpResponse:
 @login_required
 def artifact_download(request: HttpRequest, run_id: str, artifact_id: int) -> HttpResponse:
     artifact = selectors.artifact_get_for_user(user=request.user, run_id=run_id, artifact_id=artifact_id)
-    return artifact_file_response(artifact)
+    return downloads.artifact_response(artifact)
+
+
+@login_required
+def run_log_download(request: HttpRequest, run_id: str) -> HttpResponse:
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="view")
+    return downloads.log_response(run)
+
+
+@login_required
+def run_samples(request: HttpRequest, run_id: str) -> HttpResponse:
+    """A step's stored responses; step and the reward/length filters are GET parameters."""
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="view")
+    steps = selectors.rollout_sample_steps(run=run)
+    form = SampleFilterForm(request.GET or None)
+    filters = form.cleaned_data if form.is_valid() else {}
+    step = filters.get("step")
+    if step not in steps:
+        step = steps[-1] if steps else None
+    samples = []
+    if step is not None:
+        rows = selectors.rollout_samples(
+            run=run, step=step, **{k: filters.get(k) for k in ("min_reward", "max_reward", "min_length", "max_length")}
+        )
+        samples = [{"row": r, "pieces": list(zip(r.tokens, r.from_draft))} for r in rows]
+    query = {k: v for k, v in (request.GET.items()) if k != "step" and v}
+    i = steps.index(step) if step is not None else -1
+    ctx = {
+        "run": run,
+        "form": form,
+        "steps": steps,
+        "step": step,
+        "samples": samples,
+        "prev_href": "?" + urlencode({**query, "step": steps[i - 1]}) if i > 0 else None,
+        "next_href": "?" + urlencode({**query, "step": steps[i + 1]}) if 0 <= i < len(steps) - 1 else None,
+        "query": query,
+    }
+    return render(request, "runs/samples.html", ctx)
 
 
 @login_required

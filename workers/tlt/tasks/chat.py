@@ -27,7 +27,8 @@ Messages = list[dict[str, str]]
 ChatFormat = Callable[[Messages], str]
 
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2's default
-INSTRUCTION = "Solve the problem step by step. End your reply with: The answer is N."
+# "<number>", not "N": a 135M model copies a letter from the instruction into its last line
+INSTRUCTION = "Solve the problem step by step. End your reply with: The answer is <number>."
 # Tried in order; the first present in the vocabulary ends a turn (ChatML, then generic names).
 EOS_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>")
 # Padding is kept distinct from EOS where possible, so a mask `ids != pad` never hides the EOS.
@@ -100,8 +101,9 @@ class ChatTask:
 
     name = "chat"
 
-    def __init__(self, tokenizer: Tokenizer | str | Path, chat_format: ChatFormat | None = None):
-        self._prompter = ChatPrompter(tokenizer, chat_format)
+    def __init__(self, tokenizer: Tokenizer | str | Path, chat_format: ChatFormat | None = None,
+                 system_prompt: str | None = SYSTEM_PROMPT):
+        self._prompter = ChatPrompter(tokenizer, chat_format, system_prompt=system_prompt)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -23,7 +23,7 @@ def existing_runs(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0001_initial'),
+        ('runs', '0002_progress_and_rollout_samples'),
     ]
 
     operations = [

@@ -1,0 +1,208 @@
+"""The drafter's offline warm-up: one recipe, used by the trainer (before step 1) and the rollout
+bench, cached across runs like the SFT'd tiny model.
+
+    drafter, info = warmup_drafter(policy, task, cfg.drafter, sampling=sampling_params(cfg.rollout),
+                                   policy_key=weights_digest(policy_folder), seed=cfg.run.seed)
+
+Data. The policy answers `drafter.warmup_prompts` training prompts of the run's task, sampled as
+the rollout samples (so the drafter learns the text RL will draw), each answer cut at
+`drafter.warmup_max_new_tokens` (the start of a runaway answer teaches as much as its end, at a
+fraction of the decode time). The rollout engine harvests the target's hidden state of every
+position while it decodes, so the (token, hidden state) pairs cost no extra pass. The answers are
+cached (tokens and float16 states, keyed by the policy's weights, the task and these settings):
+another training recipe, or another run of the same preset, reuses them.
+
+Training (EAGLE's loss, drafter_train.drafter_loss): AdamW (0.9, 0.95), `drafter.warmup_lr` warmed
+up linearly over the first 5% of `drafter.warmup_steps` and then cosine-decayed to 5% of it,
+gradient clip 1, batches of `drafter.warmup_batch_tokens` padded tokens, the soft cross-entropy
+over the `drafter.train_vocab` most frequent tokens of the answers (plus EOS; 0: the whole
+vocabulary). The token frequencies go with the drafter (`Drafter.token_counts`): the reduced
+draft vocabulary (spec.draft_vocab) and spot training's vocabulary are chosen from them.
+
+Cost (first run; later runs load the cache in a second): printed as it goes and returned in
+`info` ("generate_s", "train_s"). For SmolLM2-135M on 2 CPU cores see README "Benchmarks".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .buffer import DrafterBuffer
+from .drafter import Drafter
+from .drafter_train import drafter_loss
+from .model import Transformer
+from .sampling import SamplingParams
+from .speculative import draft_vocab_ids
+
+if TYPE_CHECKING:  # pydantic: the bench on a bare GPU node passes a plain namespace instead
+    from .config import DrafterSection
+
+log = logging.getLogger(__name__)
+
+RECIPE_VERSION = 1  # bump when the recipe changes, so cached drafters are trained again
+GEN_BATCH = 128  # answers decoded together (finished rows leave the batch; the KV cache of 128 x 330 SmolLM2 positions is ~2 GB)
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+Answer = tuple[Tensor, Tensor, int]  # tokens [L] int64, hidden [L, H] float16 (h_i pairs with token i+1), prompt length
+
+
+def weights_digest(folder: str | Path) -> str:
+    """A short content hash of a model folder's weights (the cache key of what was derived from them)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _key(data: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from `base` down to 5% of it."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def generate_answers(policy: Transformer, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                     max_new_tokens: int, eos_ids: Sequence[int], seed: int,
+                     on_progress: Progress | None = None) -> list[Answer]:
+    """The policy's own answers with the hidden states the engine harvested while decoding them."""
+    from .rollout import generate
+
+    out: list[Answer] = []
+    for i in range(0, len(prompts), GEN_BATCH):
+        chunk = [list(p) for p in prompts[i:i + GEN_BATCH]]
+        res = generate(policy, chunk, sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed + i,
+                       harvest_hidden=True, hidden_dtype=torch.float16)
+        for p, toks, hid in zip(chunk, res.tokens, res.hidden):
+            seq = torch.tensor(p + list(toks), dtype=torch.long)
+            out.append((seq[:hid.shape[0]], hid, len(p)))  # the last token was never fed to the target
+        if on_progress is not None:
+            on_progress(min(i + GEN_BATCH, len(prompts)), len(prompts), "answers")
+    return out
+
+
+def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling: SamplingParams,
+                   policy_key: str, max_new_tokens: int, seed: int = 0, cache_dir: str | Path | None = None,
+                   retrain: bool = False, on_progress: Progress | None = None) -> tuple[Drafter, dict[str, Any]]:
+    """Warm a drafter up to `policy` on its own answers (module doc); returns it and a summary.
+    retrain: ignore a cached drafter (cached answers are still reused)."""
+    from .policies import model_cache_dir
+
+    root = Path(cache_dir) if cache_dir is not None else model_cache_dir() / "drafters"
+    eos = sorted({task.eos_id, *policy.config.eos_ids})
+    cap = min(cfg.warmup_max_new_tokens, max_new_tokens)
+    data_spec = {"policy": policy_key, "task": getattr(task, "name", type(task).__name__),
+                 "task_options": {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool))},
+                 "prompts": cfg.warmup_prompts, "seed": seed, "max_new_tokens": cap,
+                 "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "dtype": str(policy.dtype),
+                 "gen_batch": GEN_BATCH}  # the batch decides each answer's sampling key
+    train_spec = {**data_spec, "steps": cfg.warmup_steps, "lr": cfg.warmup_lr, "batch_tokens": cfg.warmup_batch_tokens,
+                  "train_vocab": cfg.train_vocab, "hidden_w": cfg.hidden_loss_weight, "token_w": cfg.token_loss_weight,
+                  "unroll": cfg.unroll, "recipe": RECIPE_VERSION}
+    folder = root / f"drafter-{_key(train_spec)}"
+    drafter = Drafter.for_target(policy, seed=seed)
+    if (folder / "info.json").exists() and not retrain:
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict({k: v.to(policy.device, policy.dtype if v.is_floating_point() else v.dtype)
+                                 for k, v in load_file(str(folder / "drafter.safetensors")).items()})
+        info = json.loads((folder / "info.json").read_text())
+        log.info("drafter warm-up: loaded from %s (%d steps on %d answers, top-1 %.3f)", folder, info["steps"],
+                 info["answers"], info["train_top1"])
+        return drafter.eval(), {**info, "cached": True, "folder": str(folder)}
+
+    t0 = time.perf_counter()
+    answers_file = root / f"answers-{_key(data_spec)}.pt"
+    if answers_file.exists():
+        answers = torch.load(answers_file)
+        log.info("drafter warm-up: %d cached answers from %s", len(answers), answers_file)
+    else:
+        log.info("drafter warm-up: the policy answers %d prompts (at most %d tokens each)", cfg.warmup_prompts, cap)
+        prompts = [p.ids for p in task.sample_prompts(cfg.warmup_prompts, random.Random(seed + 7))]
+        answers = generate_answers(policy, prompts, sampling, cap, eos, seed, on_progress)
+        root.mkdir(parents=True, exist_ok=True)
+        torch.save(answers, answers_file.with_suffix(".tmp"))
+        answers_file.with_suffix(".tmp").replace(answers_file)
+    generate_s = time.perf_counter() - t0
+
+    V = policy.config.vocab_size
+    counts = torch.zeros(V, dtype=torch.float64)
+    buf = DrafterBuffer(max_tokens=10 ** 12)
+    for toks, hid, plen in answers:
+        counts += torch.bincount(toks[plen:], minlength=V).double()[:V]
+        buf.add(toks, hid, response_start=plen, step=0)
+    drafter.token_counts.copy_(counts.float())
+    vocab = draft_vocab_ids(counts, cfg.train_vocab, eos).to(policy.device) if 0 < cfg.train_vocab < V else None
+    n_resp = int(sum(len(t) - p for t, _, p in answers))
+    log.info("drafter warm-up: %d steps on %d answers (%d response tokens), generated in %.0f s", cfg.warmup_steps,
+             len(answers), n_resp, generate_s)
+
+    t1 = time.perf_counter()
+    steps, train_top1 = _train(drafter, buf, cfg, vocab, seed, on_progress)
+    info = {"steps": steps, "answers": len(answers), "response_tokens": n_resp, "train_top1": train_top1,
+            "generate_s": round(generate_s, 1), "train_s": round(time.perf_counter() - t1, 1),
+            "train_vocab": cfg.train_vocab}
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    (tmp / "info.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    log.info("drafter warm-up: done in %.0f s (top-1 %.3f on its last batches), cached in %s",
+             time.perf_counter() - t0, train_top1, folder)
+    return drafter.eval(), {**info, "cached": False, "folder": str(folder)}
+
+
+def _train(drafter: Drafter, buf: DrafterBuffer, cfg: "DrafterSection", vocab: Tensor | None, seed: int,
+           on_progress: Progress | None) -> tuple[int, float]:
+    """The warm-up's optimizer loop; returns (steps, top-1 over the last tenth of the steps)."""
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(seed)
+    total, warm = cfg.warmup_steps, max(1, cfg.warmup_steps // 20)
+    accs: list[tuple[float, int]] = []
+    step, t = 0, time.perf_counter()
+    while step < total and buf.trainable_tokens:
+        for batch in buf.batches(cfg.warmup_batch_tokens, rng):
+            if step >= total:
+                break
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, cfg.warmup_lr, warm)
+            loss, m = drafter_loss(drafter, batch, cfg.hidden_loss_weight, cfg.token_loss_weight, vocab=vocab,
+                                   unroll=cfg.unroll)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            accs.append((m["accuracy"], m["tokens"]))
+            step += 1
+            if step % 50 == 0 or step == total:
+                recent = accs[-50:]
+                log.info("drafter warm-up step %d/%d: loss %.4f, top-1 %.3f (%.2f s/step)", step, total, float(loss.detach()),
+                         sum(a * n for a, n in recent) / max(1, sum(n for _, n in recent)),
+                         (time.perf_counter() - t) / step)
+                if on_progress is not None:
+                    on_progress(step, total, "steps")
+    drafter.eval()
+    last = accs[-max(1, len(accs) // 10):]
+    return step, sum(a * n for a, n in last) / max(1, sum(n for _, n in last))
