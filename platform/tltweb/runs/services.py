@@ -63,14 +63,6 @@ def tags_clean(tags: list[str] | str) -> list[str]:
     return out
 
 
-def config_load(text: str) -> TLTConfig:
-    """load_config, with the one failure it lets escape (PyYAML recursing on deeply nested input) as a ConfigError."""
-    try:
-        return load_config(text)
-    except RecursionError:
-        raise ConfigError({"yaml": "nested too deeply"}) from None
-
-
 def preset_yaml(name: str) -> str:
     return preset_config(name).to_yaml()
 
@@ -104,7 +96,7 @@ def run_launch(
         if not preset:
             raise ConfigError({"config": "give a preset or a config"})
         config_yaml = preset_yaml(preset)
-    cfg = config_load(config_yaml)
+    cfg = load_config(config_yaml)
     config_paths_resolve(cfg, run_path_roots(team=team))  # task.path / model.path inside the allowed roots
     if settings.TLT_LAUNCH_CHECK_CLUSTER:
         run_capacity_check(cfg=cfg)
