@@ -434,5 +434,12 @@ class Tracking:
             sink.artifact(kind, step, path)
 
     def close(self) -> None:
+        """Close every sink, even when one raises (the spool's IngestRejected); then raise the first error."""
+        first: BaseException | None = None
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other sinks closed
+                first = first or exc
+        if first is not None:
+            raise first
