@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from tltweb.accounts.services import token_matches
-from tltweb.runs import services
+from tltweb.runs import selectors, services
 from tltweb.runs.models import Run
 
 
@@ -328,6 +328,15 @@ def test_a_resumed_job_runs_the_trainer_with_resume_in_the_same_folder_and_a_new
     run.refresh_from_db()
     assert old != new and token_matches(new, run.ingest_token_hash) and run.ingest_token_revoked_at is None
     assert run.attempts_log[0]["resumed_by"] == "alice"
+
+
+def test_a_resumed_run_starts_its_setup_progress_over(run, jobs, alice):
+    """The old attempt's phase would otherwise carry on, with an ETA whose rate spans the gap."""
+    services.run_progress_record(run=run, phase="rl", done=12, total=24)
+    Run.objects.filter(pk=run.pk).update(state="failed", failure="trainer")
+    services.run_resume(run=Run.objects.get(pk=run.pk), user=alice)
+    run.refresh_from_db()
+    assert run.progress == {} and selectors.run_progress(run) is None
 
 
 def test_only_editors_resume_and_only_runs_that_ended(run, jobs, bob):

@@ -244,6 +244,7 @@ def _resume(run: Run, *, by: str) -> None:
     run.queued_at = timezone.now()
     run.submitted_at = run.finished_at = run.job_stopped_at = None
     run.error = run.failure = run.log_tail = ""
+    run.progress = {}  # the next attempt reports its own phases (an ETA across the gap would be wrong)
     run.ingest_token_salt = ""  # the next attempt gets a token of its own at submit
     run.save()
     run_id = run.id
