@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole platform on this machine: set up, migrate, create the demo team and user (the
-# login is printed the first time only), then start a local Ray head, a Celery worker with beat,
-# and the web app on http://127.0.0.1:8000. Ctrl-C stops everything this script started.
+# login is printed the first time only), then start a local Ray head, a Celery worker, the Celery
+# beat scheduler (its own process: a killed worker cannot orphan it) and the web app on
+# http://127.0.0.1:8000. Ctrl-C stops everything this script started.
 #
 #   scripts/dev.sh
 #
@@ -62,8 +63,9 @@ fi
 "$TLT_PY" manage.py tlt_demo
 
 mkdir -p var/log
-"$TLT_VENV/bin/celery" -A workers.celery_app worker -B \
-  --loglevel=INFO --concurrency=2 --schedule var/celerybeat-schedule &
+"$TLT_VENV/bin/celery" -A workers.celery_app worker --loglevel=INFO --concurrency=2 &
+CHILD_PIDS+=($!)
+"$TLT_VENV/bin/celery" -A workers.celery_app beat --loglevel=INFO --schedule var/celerybeat-schedule &
 CHILD_PIDS+=($!)
 
 "$TLT_PY" manage.py runserver "$WEB_HOST:$WEB_PORT" &

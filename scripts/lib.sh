@@ -8,6 +8,10 @@ TLT_PY="$TLT_VENV/bin/python"
 # The Ray head always uses GCS port 6380: Redis owns 6379 on every machine we run on.
 TLT_RAY_GCS_PORT="${TLT_RAY_GCS_PORT:-6380}"
 TLT_RAY_NUM_CPUS="${TLT_RAY_NUM_CPUS:-2}"
+# The head keeps its sessions in a temp dir of its own: Ray hands every job's driver the cluster named in
+# <temp dir>/ray_current_cluster, and in the shared /tmp/ray any other Ray started on the machine since
+# (another checkout's head, a test's ray.init()) overwrites that file, so the driver would join it.
+TLT_RAY_TEMP_DIR="${TLT_RAY_TEMP_DIR:-/tmp/ray-tlt-$TLT_RAY_GCS_PORT}"
 
 tlt_log() { printf '[%s] %s\n' "${TLT_LOG_TAG:-tlt}" "$*" >&2; }
 tlt_die() { tlt_log "error: $*"; exit 1; }
@@ -52,8 +56,8 @@ ray_head_start() {
   port="$(ray_dashboard_port "$url")"
   mkdir -p "$TLT_ROOT/var/log"
   # A stale pointer from a killed head makes a plain ray.init() hang: drop it when nothing answers.
-  if [[ -f /tmp/ray/ray_current_cluster ]] && ! ray_reachable "$url"; then
-    rm -f /tmp/ray/ray_current_cluster
+  if [[ -f $TLT_RAY_TEMP_DIR/ray_current_cluster ]] && ! ray_reachable "$url"; then
+    rm -f "$TLT_RAY_TEMP_DIR/ray_current_cluster"
   fi
   # The job agent's HTTP port defaults to 52365 for every Ray instance on the host; if another one
   # (a test's local ray.init(), another checkout) holds it, the head starts but every job
@@ -64,7 +68,7 @@ ray_head_start() {
   client_port="$(free_port)"
   tlt_log "starting Ray head (GCS :$TLT_RAY_GCS_PORT, dashboard :$port, job agent :$agent_port, log $log_file)"
   RAY_USAGE_STATS_ENABLED=0 setsid "$TLT_VENV/bin/ray" start --head --block \
-    --port "$TLT_RAY_GCS_PORT" \
+    --port "$TLT_RAY_GCS_PORT" --temp-dir "$TLT_RAY_TEMP_DIR" \
     --dashboard-host 127.0.0.1 --dashboard-port "$port" \
     --dashboard-agent-listen-port "$agent_port" \
     --ray-client-server-port "$client_port" \
@@ -100,8 +104,6 @@ ray_head_stop() {
       kill -KILL -- "-$TLT_RAY_PID" 2>/dev/null || true
     fi
   fi
-  if grep -qs ":$TLT_RAY_GCS_PORT\$" /tmp/ray/ray_current_cluster; then
-    rm -f /tmp/ray/ray_current_cluster
-  fi
+  rm -f "$TLT_RAY_TEMP_DIR/ray_current_cluster"
   TLT_RAY_PID=""
 }

@@ -69,6 +69,10 @@ def _test_settings(settings, tmp_path):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast fixtures
     settings.TLT_ARTIFACT_DIR = tmp_path / "artifacts"
     settings.TLT_RUNS_DIR = tmp_path / "runs"
+    settings.TLT_DATA_DIR = tmp_path / "data"
+    settings.TLT_MODELS_DIR = tmp_path / "models"
+    # Launching asks the Ray cluster for its size; tests of that (and the integration tests) turn it on.
+    settings.TLT_LAUNCH_CHECK_CLUSTER = False
 
 
 def run_make(team, creator, **fields):
@@ -169,6 +173,7 @@ def ray_head():
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--port", "6380", "--dashboard-port", "8265",
+         "--temp-dir", "/tmp/ray-tlt-6380",  # its own ray_current_cluster: jobs' drivers join this head (scripts/lib.sh)
          # a free job-agent port: the default 52365 may be held by another Ray on this host
          "--dashboard-agent-listen-port", str(_free_port()), "--num-cpus", "2", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -194,9 +199,213 @@ def _database_url(db: dict) -> str:
     return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
+class Gate:
+    """A TCP forwarder in front of the live server: the address trainers use to reach the web app.
+
+    `stop()` closes the listening socket and cuts every connection (clients get "connection refused",
+    exactly as when the web app is stopped); `start()` opens it again on the same port.
+    `cut_next_after(n)`: the next connection is cut after n bytes of request (an upload broken midway).
+    """
+
+    def __init__(self, upstream: tuple[str, int]):
+        import threading
+
+        self.upstream = upstream
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self._cut_after: int | None = None
+        self.start()
+
+    def cut_next_after(self, nbytes: int) -> None:
+        self._cut_after = nbytes
+
+    def start(self) -> None:
+        import threading
+
+        deadline = time.monotonic() + 30
+        while True:  # the port may be held for a moment (e.g. as the source port of a client's retry)
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                listener.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def stop(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            conns, self._conns = self._conns, []
+        if listener is not None:
+            listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._listener is not None
+
+    def _accept(self, listener: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stopped
+            try:
+                server = socket.create_connection(self.upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close()
+                    server.close()
+                    return
+                self._conns += [client, server]
+                limit, self._cut_after = self._cut_after, None
+            threading.Thread(target=self._pipe, args=(client, server, limit), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := src.recv(1 << 16):
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[: limit - sent])
+                    break  # cut midway: both sides see the connection die
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
 @pytest.fixture(scope="session")
-def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ray_head, tmp_path_factory):
-    """A real `celery worker -B` subprocess on the test database, with live_server as TLT_PUBLIC_URL."""
+def ingest_gate(live_server):
+    """The web app as the trainers see it (TLT_PUBLIC_URL of the Celery worker): a Gate to live_server."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(live_server.url)
+    gate = Gate((parts.hostname, parts.port))
+    yield gate
+    gate.stop()
+
+
+def pids_alive(pids) -> list[int]:
+    """The pids among `pids` that still run (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def pids_matching(*needles: str) -> list[int]:
+    """Pids of live processes whose command line contains every needle (read from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd and all(n in cmd for n in needles):
+            out.append(int(entry.name))
+    return pids_alive(out)
+
+
+class CeleryProcs:
+    """The Celery worker and the beat scheduler, each a process (and process group) of its own, as in
+    scripts/dev.sh and compose: the fault tests kill -9 the worker and start it again."""
+
+    def __init__(self, env: dict[str, str], work: Path):
+        self.env, self.work = env, work
+        self.log = ROOT / "test-artifacts" / "celery-worker.log"
+        self.beat_log = ROOT / "test-artifacts" / "celery-beat.log"
+        self.log.parent.mkdir(exist_ok=True)
+        self.log.write_text("")
+        self.hostname = f"test-{os.getpid()}@%h"
+        self.worker: subprocess.Popen | None = None
+        self.beat: subprocess.Popen | None = None
+
+    def start_worker(self) -> subprocess.Popen:
+        offset = self.log.stat().st_size
+        with open(self.log, "a") as log:
+            self.worker = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--pool=solo",
+                 "--loglevel=INFO", "--hostname", self.hostname],
+                cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 60
+        while "ready." not in self.log.read_text()[offset:]:
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                self.worker.kill()
+                pytest.fail("the Celery worker did not start:\n" + self.log.read_text()[-3000:])
+            time.sleep(0.5)
+        return self.worker
+
+    def start_beat(self) -> subprocess.Popen:
+        with open(self.beat_log, "w") as log:
+            self.beat = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "workers.celery_app", "beat", "--loglevel=INFO",
+                 "--schedule", str(self.work / "beat-schedule")],
+                cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        return self.beat
+
+    def kill_worker(self) -> int:
+        """SIGKILL the worker (no shutdown handlers run); returns its pid once it is reaped."""
+        pid = self.worker.pid
+        self.worker.kill()
+        self.worker.wait(timeout=30)
+        return pid
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen | None) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self._stop(self.worker)
+        self._stop(self.beat)
+
+
+@pytest.fixture(scope="session")
+def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ingest_gate, ray_head, tmp_path_factory):
+    """A real Celery worker and a separate beat process on the test database; trainers reach the
+    live server through `ingest_gate` (TLT_PUBLIC_URL), which the outage test closes for a while."""
     from django.conf import settings
     from workers.celery_app import app
 
@@ -204,11 +413,19 @@ def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ray_head
     env = {
         **os.environ,
         "DATABASE_URL": _database_url(settings.DATABASES["default"]),
-        "TLT_PUBLIC_URL": live_server.url,
+        "TLT_PUBLIC_URL": ingest_gate.url,
         "RAY_ADDRESS": ray_head,
         "TLT_ARTIFACT_DIR": str(work / "artifacts"),
         "TLT_RUNS_DIR": str(work / "runs"),
+        "TLT_DATA_DIR": str(work / "data"),
+        "TLT_MODELS_DIR": str(work / "models"),
         "TLT_SYNC_INTERVAL_S": "2",
+        "TLT_RESUBMIT_AFTER_S": "20",
+        # delivery from the trainers' spools: short back-off so a test sees the platform come back soon
+        "TLT_INGEST_MAX_WAIT_S": "2",
+        "TLT_INGEST_PAUSE_S": "2",
+        "TLT_INGEST_RETRY_S": "30",
+        "TLT_INGEST_DRAIN_S": "300",
         "PYTHONUNBUFFERED": "1",
     }
     if settings.CELERY_BROKER_URL.startswith("filesystem://"):
@@ -225,27 +442,11 @@ def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ray_head
     if app._pool is not None:  # forget producer connections made with the old broker options
         app._pool.force_close_all()
         app._pool = None
-    log_path = ROOT / "test-artifacts" / "celery-worker.log"
-    log_path.parent.mkdir(exist_ok=True)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-B", "--pool=solo",
-         "--loglevel=INFO", "--schedule", str(work / "beat-schedule"), "--hostname", f"test-{os.getpid()}@%h"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while "ready." not in log_path.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("the Celery worker did not start:\n" + log_path.read_text()[-3000:])
-        time.sleep(0.5)
-    yield {"proc": proc, "log": log_path, "env": env}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    procs = CeleryProcs(env, work)
+    procs.start_worker()
+    procs.start_beat()
+    yield procs
+    procs.stop()
 
 
 # ---------- browser ----------

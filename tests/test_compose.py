@@ -15,7 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = [ROOT, ROOT / "platform"]  # pyproject: packages.find where = [".", "platform"]
-APP_SERVICES = {"web", "worker", "ray-head", "ray-gpu-worker"}
+APP_SERVICES = {"web", "worker", "beat", "ray-head", "ray-gpu-worker"}
 
 
 def _compose_binary() -> str:
@@ -87,7 +87,7 @@ def _referenced_names(argv: list[str]) -> list[str]:
 
 def test_compose_defines_the_platform_services(compose):
     assert set(compose["services"]) == {"postgres", "redis", *APP_SERVICES}
-    assert {"pgdata", "artifacts"} <= set(compose["volumes"])
+    assert {"pgdata", "artifacts", "runs", "teams", "models"} <= set(compose["volumes"])
 
 
 def test_every_service_command_names_something_in_the_project(compose):
@@ -106,13 +106,22 @@ def test_every_service_command_names_something_in_the_project(compose):
     assert not missing, missing
 
 
-def test_web_runs_gunicorn_after_migrate_and_the_worker_runs_beat(compose):
+def test_web_runs_gunicorn_after_migrate_and_beat_runs_as_its_own_service(compose):
     web = compose["services"]["web"]["command"]
     web = web if isinstance(web, str) else " ".join(web)
     assert "runserver" not in web
     assert web.index("manage.py migrate") < web.index("gunicorn tltweb.wsgi")
     worker = compose["services"]["worker"]["command"]
-    assert "-B" in worker or "beat" in worker
+    assert "worker" in worker and "-B" not in worker and "--beat" not in worker  # a kill -9 cannot orphan beat
+    beat = compose["services"]["beat"]["command"]
+    assert beat[:4] == ["celery", "-A", "workers.celery_app", "beat"]
+    assert compose["services"]["beat"].get("deploy", {}).get("replicas", 1) == 1
+
+
+def test_team_data_and_models_folders_are_configured_for_every_app_service(compose):
+    for name in APP_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert env["TLT_DATA_DIR"] and env["TLT_MODELS_DIR"], name
 
 
 def test_ray_head_uses_gcs_port_6380_and_the_gpu_worker_joins_it(compose):
@@ -125,7 +134,7 @@ def test_ray_head_uses_gcs_port_6380_and_the_gpu_worker_joins_it(compose):
 
 
 def test_only_the_control_plane_holds_database_credentials(compose):
-    for name in ("web", "worker"):
+    for name in ("web", "worker", "beat"):
         assert compose["services"][name]["environment"]["DATABASE_URL"].startswith("postgres://")
     for name in ("ray-head", "ray-gpu-worker"):
         env = compose["services"][name].get("environment", {})

@@ -1,4 +1,5 @@
-"""The Celery application: `celery -A workers.celery_app worker -B -l info`.
+"""The Celery application: `celery -A workers.celery_app worker -l info`, and beat in a process of
+its own (`celery -A workers.celery_app beat`), so a killed worker never orphans the scheduler.
 
 Every setting comes from Django settings under the CELERY_ namespace (tltweb/settings.py).
 """

@@ -64,7 +64,14 @@ def database_from_url(url: str, *, name: str = "DATABASE_URL") -> dict:
         path = unquote(parts.path)[1:]
         if not path:
             raise ImproperlyConfigured(f"{name}: sqlite URL needs a file path, e.g. sqlite:////abs/db.sqlite3")
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": path}
+        # WAL and BEGIN IMMEDIATE: the web app, the Celery worker and beat share the file; readers then never
+        # block the writer, and a writer waits for the lock instead of failing with "database is locked".
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": path,
+            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20,
+                        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL"},
+        }
     if parts.scheme in {"postgres", "postgresql", "pgsql"}:
         db = unquote(parts.path.lstrip("/"))
         if not db:

@@ -7,15 +7,19 @@ is required and the HTTPS settings below apply.
 
 Variables: DEBUG, SECRET_KEY, ALLOWED_HOSTS, CSRF_TRUSTED_ORIGINS, DATABASE_URL,
 CELERY_BROKER_URL, CELERY_FS_DIR, RAY_ADDRESS, TLT_PUBLIC_URL, TLT_ARTIFACT_DIR, TLT_RUNS_DIR,
-TLT_JOB_PYTHON, TLT_JOB_WORKDIR, TLT_SYNC_INTERVAL_S, TLT_VAR_DIR, TLT_MLFLOW_TRACKING_URI,
-TLT_MLFLOW_EXPERIMENT, TLT_MLFLOW_ARTIFACTS, SECURE_SSL_REDIRECT,
-SECURE_HSTS_SECONDS, SESSION_COOKIE_SECURE, CSRF_COOKIE_SECURE, SERVE_STATIC.
+TLT_DATA_DIR, TLT_MODELS_DIR, TLT_LAUNCH_CHECK_CLUSTER, TLT_AUTO_RESUME_MAX, TLT_RESUBMIT_AFTER_S,
+TLT_INGEST_RETRY_S, TLT_INGEST_MAX_WAIT_S, TLT_INGEST_DRAIN_S, TLT_INGEST_PAUSE_S,
+TLT_LOGIN_FAILURE_LIMIT, TLT_LOGIN_COOLOFF_MIN, TLT_JOB_PYTHON, TLT_JOB_WORKDIR,
+TLT_SYNC_INTERVAL_S, TLT_VAR_DIR, TLT_MLFLOW_TRACKING_URI, TLT_MLFLOW_EXPERIMENT,
+TLT_MLFLOW_ARTIFACTS, SECURE_SSL_REDIRECT, SECURE_HSTS_SECONDS, SESSION_COOKIE_SECURE,
+CSRF_COOKIE_SECURE, SERVE_STATIC.
 """
 
 from __future__ import annotations
 
 import secrets
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -59,6 +63,7 @@ INSTALLED_APPS = [
     "tltweb.accounts",
     "tltweb.runs",
     "tltweb.api",
+    "axes",
 ]
 
 MIDDLEWARE = [
@@ -69,10 +74,23 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: turns a locked-out login into the lockout response
 ]
+
+# --- Login throttling (django-axes): after TLT_LOGIN_FAILURE_LIMIT wrong passwords for one username from
+# one address, that pair is locked out for TLT_LOGIN_COOLOFF_MIN minutes (browser and admin login; the
+# JSON API counts invalid personal tokens per address the same way, tltweb.api.auth).
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("TLT_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("TLT_LOGIN_COOLOFF_MIN", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "tltweb.accounts.lockout.lockout_response"  # 429: JSON under /api/, a page elsewhere
+AXES_VERBOSE = False
 
 ROOT_URLCONF = "tltweb.urls"
 WSGI_APPLICATION = "tltweb.wsgi.application"
+CSRF_FAILURE_VIEW = "tltweb.handlers.csrf_failure"  # JSON under /api/, Django's page elsewhere
 
 TEMPLATES = [
     {
@@ -152,7 +170,19 @@ CELERY_BEAT_SCHEDULE = {
 RAY_ADDRESS = env_str("RAY_ADDRESS", "http://127.0.0.1:8265")  # Ray job submission API (dashboard)
 TLT_PUBLIC_URL = env_str("TLT_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
 TLT_ARTIFACT_DIR = Path(env_str("TLT_ARTIFACT_DIR", str(VAR_DIR / "artifacts")))
-TLT_RUNS_DIR = Path(env_str("TLT_RUNS_DIR", str(VAR_DIR / "runs")))  # trainer --out folders (checkpoints)
+TLT_RUNS_DIR = Path(env_str("TLT_RUNS_DIR", str(VAR_DIR / "runs")))  # trainer --out folders: <team id>/<run id>
+# Where configs may point: task.path inside TLT_DATA_DIR/<team id>/, model.path inside TLT_MODELS_DIR
+# (or the team's data folder); checked at launch and again by the trainer (workers/tlt/paths.py).
+TLT_DATA_DIR = Path(env_str("TLT_DATA_DIR", str(VAR_DIR / "data")))
+TLT_MODELS_DIR = Path(env_str("TLT_MODELS_DIR", str(VAR_DIR / "models")))
+TLT_LAUNCH_CHECK_CLUSTER = env_bool("TLT_LAUNCH_CHECK_CLUSTER", True)  # rollout workers vs the cluster's CPUs/GPUs
+TLT_AUTO_RESUME_MAX = env_int("TLT_AUTO_RESUME_MAX", 3, minimum=0)  # automatic resumes per run after a job died
+TLT_RESUBMIT_AFTER_S = env_int("TLT_RESUBMIT_AFTER_S", 120, minimum=1)  # a queued run not submitted by then: again
+# Delivery from the trainer's spool (passed to every job; workers/tlt/spool.py).
+TLT_INGEST_RETRY_S = env_int("TLT_INGEST_RETRY_S", 600, minimum=1)  # retry one delivery this long
+TLT_INGEST_MAX_WAIT_S = env_int("TLT_INGEST_MAX_WAIT_S", 60, minimum=1)  # longest back-off between attempts
+TLT_INGEST_DRAIN_S = env_int("TLT_INGEST_DRAIN_S", 900, minimum=0)  # at the end, wait this long for the spool
+TLT_INGEST_PAUSE_S = env_int("TLT_INGEST_PAUSE_S", 30, minimum=1)  # after a failed round, wait before the next
 TLT_JOB_PYTHON = env_str("TLT_JOB_PYTHON", sys.executable)
 TLT_JOB_WORKDIR = env_str("TLT_JOB_WORKDIR", str(BASE_DIR))
 TLT_MAX_ARTIFACT_BYTES = env_int("TLT_MAX_ARTIFACT_BYTES", 20 * 1024**3, minimum=1)

@@ -23,6 +23,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/", runs.run_detail, name="run-detail"),
     path("runs/<uuid:run_id>/cancel", runs.run_cancel, name="run-cancel"),
     path("runs/<uuid:run_id>/clone", runs.run_clone, name="run-clone"),
+    path("runs/<uuid:run_id>/resume", runs.run_resume, name="run-resume"),
     path("runs/<uuid:run_id>/edit", runs.run_edit, name="run-edit"),
     path("runs/<uuid:run_id>/artifacts/<int:artifact_id>/download", runs.artifact_download, name="artifact-download"),
     path("runs/<uuid:run_id>/log", runs.run_log_download, name="run-log"),
@@ -41,3 +42,8 @@ if settings.SERVE_STATIC and not settings.DEBUG:
     # runserver serves static files when DEBUG is on; gunicorn (compose) has no static server in
     # front, so Django serves the few files of static/ itself (no collectstatic step needed).
     urlpatterns += [re_path(r"^static/(?P<path>.*)$", static_serve, {"insecure": True})]
+
+handler400 = "tltweb.handlers.bad_request"
+handler403 = "tltweb.handlers.permission_denied"
+handler404 = "tltweb.handlers.page_not_found"
+handler500 = "tltweb.handlers.server_error"

@@ -193,9 +193,14 @@
       el.className = "state state-" + data.state;
       el.textContent = data.state.charAt(0).toUpperCase() + data.state.slice(1);
     }
-    if (wasActive && !data.active) {
-      wasActive = false;
+    var attempt = String(data.attempt === undefined ? root.dataset.attempt : data.attempt);
+    if ((wasActive && !data.active) || attempt !== root.dataset.attempt) {
+      wasActive = false;  // ended, or resumed as a new attempt: the server renders the new state
       window.setTimeout(function () { window.location.reload(); }, 500);  // show artifacts, logs
+    } else if (!data.active && !steps.length) {
+      // Ended before its first step: say why instead of waiting for a step that will never come.
+      summary.textContent = "No steps: the run " + data.state + " before its first step" +
+        (data.error ? " (see the error above)" : "") + ".";
     }
   }
 
@@ -219,12 +224,12 @@
         updateState(data);
         schedule(data.active);
       })
-      .catch(function () { schedule(true); });
+      .catch(function () { schedule(wasActive); });
   }
 
   function schedule(active) {
     window.clearTimeout(timer);
-    if (!active && steps.length) return;  // finished: nothing more will arrive
+    if (!active) return;  // ended (with or without steps): nothing more will arrive
     timer = window.setTimeout(poll, document.hidden ? 15000 : 2000);
   }
 

@@ -73,6 +73,33 @@ def test_the_trainer_adds_the_mirror_when_configured(store, tmp_path, monkeypatc
     assert run.data.params["run.steps"] == str(preset("tiny-cpu").run.steps) and run.data.metrics["reward/mean"] == 0.1
 
 
+def test_the_mirror_sits_beside_the_platforms_spool(store, tmp_path, monkeypatch):
+    from workers.tlt.train import build_tracking
+
+    monkeypatch.setenv("TLT_MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("TLT_INGEST_URL", "http://127.0.0.1:9/api/ingest/runs/x/")  # nothing listens on port 9
+    monkeypatch.setenv("TLT_RUN_TOKEN", "t")
+    monkeypatch.setenv("TLT_INGEST_DRAIN_S", "1")
+    tracking = build_tracking(tmp_path)
+    assert [type(s).__name__ for s in tracking.sinks] == ["ConsoleSink", "JsonlSink", "SpoolSink", "MlflowSink"]
+    tracking.close()
+
+
+def test_the_mirror_is_closed_even_when_the_spool_raises_at_close(store, tmp_path, monkeypatch):
+    from workers.tlt.train import build_tracking
+
+    monkeypatch.setenv("TLT_MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("TLT_INGEST_URL", "http://127.0.0.1:9/api/ingest/runs/x/")
+    monkeypatch.setenv("TLT_RUN_TOKEN", "t")
+    monkeypatch.setenv("TLT_INGEST_DRAIN_S", "1")
+    tracking = build_tracking(tmp_path)
+    spool, mirror = tracking.sinks[2], tracking.sinks[3]
+    spool.failure = RuntimeError("the platform refused a record")  # as a 4xx leaves it
+    with pytest.raises(RuntimeError, match="refused"):
+        tracking.close()
+    assert MlflowClient(tracking_uri=store).get_run(mirror.run_id).info.status == "FINISHED"
+
+
 def test_no_mirror_without_configuration(tmp_path, monkeypatch):
     from workers.tlt.train import build_tracking
 

@@ -63,6 +63,32 @@ def test_the_cancel_button_on_an_ended_run_says_why_nothing_happened(client, run
     assert resp.status_code == 200 and "Not cancelled" in resp.content.decode()
 
 
+def test_resuming_a_failed_run_queues_its_next_attempt(client, run, auth):
+    Run.objects.filter(pk=run.pk).update(state="failed", failure="trainer", error="boom")
+    resp = client.post(reverse("api-run-resume", args=[run.id]), **auth)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert (body["state"], body["attempt"], body["resumable"]) == ("queued", 1, False)
+    assert [(a["attempt"], a["state"], a["failure"], a["resumed_by"]) for a in body["attempts"]] == [
+        (0, "failed", "trainer", "alice")]
+
+
+@pytest.mark.parametrize("state,failure", [("running", ""), ("queued", ""), ("failed", "config")])
+def test_resuming_a_run_that_cannot_be_resumed_is_a_conflict_and_changes_nothing(client, run, auth, state, failure):
+    Run.objects.filter(pk=run.pk).update(state=state, failure=failure)
+    resp = client.post(reverse("api-run-resume", args=[run.id]), **auth)
+    assert resp.status_code == 409 and "cannot be resumed" in resp.json()["error"]
+    run.refresh_from_db()
+    assert run.state == state and run.attempt == 0
+
+
+def test_the_resume_button_on_a_running_run_says_why_nothing_happened(client, run, alice):
+    Run.objects.filter(pk=run.pk).update(state="running")
+    client.force_login(alice)
+    resp = client.post(reverse("run-resume", args=[run.id]), follow=True)
+    assert resp.status_code == 200 and "cannot be resumed" in resp.content.decode()
+
+
 @pytest.mark.parametrize("path", ["/api/runs/not-a-uuid", "/api/runs/not-a-uuid/metrics", f"/api/runs/{uuid.uuid4()}"])
 def test_a_bad_or_unknown_run_id_is_a_json_404(client, auth, path):
     resp = client.get(path, **auth)

@@ -4,11 +4,13 @@ with a status the document lists for it, in the content type it lists, with a bo
 its schema; and the status is the one the operation's `x-tlt-access` promises for that caller.
 
 Path parameters come from fixtures (a run with a metrics step, an artifact, a log, samples),
-request bodies from the examples in the document itself (its schemas' `examples`).
+request bodies from the examples in the document itself (its schemas' `examples`). An operation
+that needs the run in another state (resume: a run that failed) gets it from PREPARE.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -83,7 +85,18 @@ def world(run, team, alice, bob, charlie, settings):
     return {"run_id": run.id, "artifact_id": artifact.pk, "step": 1, "team_id": team.pk}
 
 
+def _run_failed(world: dict) -> None:
+    from tltweb.runs.models import Run
+
+    Run.objects.filter(pk=world["run_id"]).update(state="failed", failure="trainer")
+
+
+# operations whose success needs the run in another state than the world's running one
+PREPARE = {("POST", "/api/runs/{run_id}/resume"): _run_failed}
+
+
 def _call(client, method: str, path: str, op: dict, world: dict, token: str | None):
+    PREPARE.get((method, path), lambda _world: None)(world)
     url = re.sub(r"\{(\w+)\}", lambda m: str(world[m.group(1)]), path)
     kwargs: dict = {}
     if token:
@@ -92,7 +105,9 @@ def _call(client, method: str, path: str, op: dict, world: dict, token: str | No
     if "application/json" in content:
         kwargs.update(data=json.dumps(_example(content["application/json"]["schema"])), content_type="application/json")
     elif "multipart/form-data" in content:
-        kwargs.update(data={"kind": "drafter", "step": "3", "file": SimpleUploadedFile("d.zip", b"PK")})
+        body = b"PK"
+        kwargs.update(data={"kind": "drafter", "step": "3", "size": str(len(body)),
+                            "sha256": hashlib.sha256(body).hexdigest(), "file": SimpleUploadedFile("d.zip", body)})
     return getattr(client, method.lower())(url, **kwargs)
 
 

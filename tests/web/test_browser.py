@@ -87,7 +87,7 @@ def test_log_in_launch_watch_charts_fill_download_and_cancel(page, live_server, 
 
     # The "trainer": the real HttpSink, posting steps while the page polls.
     token = run_token_rotate(run=run)
-    sink = HttpSink(f"{base}/api/ingest/runs/{run.id}/", token, retries=1)
+    sink = HttpSink(f"{base}/api/ingest/runs/{run.id}/", token, retry_s=1)
     rec = metrics_record_fake(0)
     sink.log(0, rec["scalars"], rec["series"])
     wait_points(page, "chart-reward", 1)
@@ -156,3 +156,34 @@ def test_every_page_renders_in_the_browser(page, live_server, alice_team, no_dis
     page.click("text=Create token")
     assert page.text_content("#new-token").startswith("tlt_")
     assert not errors, errors
+
+
+def test_a_run_that_never_started_says_why_stops_polling_and_resumes_on_a_click(page, live_server, alice_team, no_dispatch,
+                                                                                  screenshots):
+    from django.utils import timezone
+
+    from tests.conftest import run_make
+    from tltweb.runs.models import Run
+
+    alice, team = alice_team
+    run = run_make(team, alice, name="never started", state="failed", failure="submit", finished_at=timezone.now(),
+                   error="could not submit to Ray: Failed to connect to Ray at http://127.0.0.1:8265")
+    polls: list[str] = []
+    page.on("request", lambda req: polls.append(req.url) if "/metrics" in req.url else None)
+    base = live_server.url
+    login(page, base)
+    page.goto(f"{base}/runs/{run.id}/")
+    page.wait_for_function("document.getElementById('summary').textContent.startsWith('No steps')")
+    assert "before its first step" in page.text_content("#summary")
+    assert "could not submit to Ray" in page.text_content("#run-error")
+    page.wait_for_timeout(5000)  # a live page polls every 2 s; this one must not
+    assert len(polls) == 1, polls
+    page.screenshot(path=str(screenshots / "run-never-started.png"), full_page=True)
+
+    page.click("#resume-button")
+    page.wait_for_selector("#run-state .state-queued")
+    assert "Attempt 2" in page.text_content("#attempts") and "after attempt 1 failed" in page.text_content("#attempts")
+    run.refresh_from_db()
+    assert run.state == "queued" and run.attempt == 1 and run.attempts_log[0]["resumed_by"] == "alice"
+    page.screenshot(path=str(screenshots / "run-resumed.png"), full_page=True)
+    assert Run.objects.count() == 1

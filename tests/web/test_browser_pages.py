@@ -44,7 +44,7 @@ def _sink(base, run):
     from tltweb.runs.services import run_token_rotate
     from workers.tlt.metrics import HttpSink
 
-    return HttpSink(f"{base}/api/ingest/runs/{run.id}/", run_token_rotate(run=run), retries=1)
+    return HttpSink(f"{base}/api/ingest/runs/{run.id}/", run_token_rotate(run=run), retry_s=1)
 
 
 def _rows(page) -> list[str]:

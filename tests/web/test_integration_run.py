@@ -58,7 +58,7 @@ def _diagnose(run_id, worker) -> str:
 
     run = Run.objects.filter(pk=run_id).first()
     info = f"run: {run and run.state} error={run and run.error!r}\nlog tail:\n{run and run.log_tail[-3000:]}"
-    return info + "\n--- celery worker log ---\n" + worker["log"].read_text()[-4000:]
+    return info + "\n--- celery worker log ---\n" + worker.log.read_text()[-4000:]
 
 
 @pytest.mark.skipif(not (ROOT / "workers/tlt/train.py").exists(), reason="the trainer (workers/tlt/train.py) is not there yet")

@@ -68,10 +68,12 @@ def test_there_is_no_eta_once_the_run_has_ended(run):
 
 
 def test_progress_does_not_revive_a_cancelled_run(client, run, run_token):
+    # state changed behind the token's back: the check under the row lock refuses it (#12: an ended run is immutable)
     Run.objects.filter(pk=run.pk).update(state="cancelled")
-    assert _post(client, run, run_token, {"phase": "rl", "done": 1, "total": 10}).status_code == 200
+    resp = _post(client, run, run_token, {"phase": "rl", "done": 1, "total": 10})
+    assert resp.status_code == 403 and "immutable" in resp.json()["error"]
     run.refresh_from_db()
-    assert run.state == "cancelled"
+    assert run.state == "cancelled" and run.progress == {}
 
 
 @pytest.mark.parametrize("body,field", [
@@ -113,7 +115,7 @@ def test_the_run_page_shows_the_phase_and_its_progress(client, alice, run):
 def test_the_trainers_http_sink_reports_progress_to_the_endpoint(live_server, run, run_token):
     from workers.tlt.metrics import HttpSink
 
-    sink = HttpSink(f"{live_server.url}/api/ingest/runs/{run.id}/", run_token, retries=1)
+    sink = HttpSink(f"{live_server.url}/api/ingest/runs/{run.id}/", run_token, retry_s=5)
     sink.progress("policy", 120, 300, "SFT step 120/300")
     sink.close()
     run.refresh_from_db()
@@ -123,7 +125,7 @@ def test_the_trainers_http_sink_reports_progress_to_the_endpoint(live_server, ru
 def test_the_http_sinks_progress_never_kills_the_training(run, caplog):
     from workers.tlt.metrics import HttpSink
 
-    sink = HttpSink("http://127.0.0.1:9/api/ingest/runs/x/", "token", retries=1)  # nothing listens on port 9
+    sink = HttpSink("http://127.0.0.1:9/api/ingest/runs/x/", "token", retry_s=5)  # nothing listens on port 9
     sink.progress("rl", 1, 10)  # logged, not raised
     sink.close()
     assert "progress failed" in caplog.text

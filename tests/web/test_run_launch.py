@@ -45,6 +45,13 @@ def test_run_launch_rejects_a_bad_config_naming_the_field(alice, team):
     assert not Run.objects.exists()
 
 
+@pytest.mark.parametrize("text", ["[" * 5000, "{a: " * 3000])
+def test_run_launch_turns_deeply_nested_yaml_into_a_config_error(alice, team, text):
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="deep", config_yaml=text)
+    assert "yaml" in err.value.errors and not Run.objects.exists()
+
+
 def test_run_launch_refuses_viewers(bob, team):
     with pytest.raises(PermissionDenied):
         run_launch(user=bob, team=team, name="x", preset="tiny-cpu")
@@ -230,3 +237,107 @@ def test_every_page_renders_for_a_member(client, alice, run):
         assert client.get(url).status_code == 200, url
     assert run.name in client.get(reverse("run-list") + "?tag=baseline").content.decode()
     assert run.name not in client.get(reverse("run-list") + "?tag=other").content.decode()
+
+
+# ---- paths in configs: only inside the folders the operator allows ----
+
+def _yaml_with(**sections) -> str:
+    """The tiny preset's YAML with some fields changed: _yaml_with(task={"kind": "jsonl", "path": "x"})."""
+    data = yaml.safe_load(preset_yaml("tiny-cpu"))
+    for section, values in sections.items():
+        data[section].update(values)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _jsonl_yaml(path: str) -> str:
+    return _yaml_with(task={"kind": "jsonl", "path": path})
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../../etc/passwd", "../999999/tasks.jsonl"])
+def test_run_launch_rejects_a_task_path_outside_the_teams_data_folder(alice, team, path, settings):
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="x", preset="tiny-cpu", config_yaml=_jsonl_yaml(path))
+    assert "outside the folders" in err.value.errors["task.path"]
+    assert not Run.objects.exists()
+
+
+def test_run_launch_rejects_a_symlink_out_of_the_data_folder(alice, team, settings, tmp_path):
+    folder = settings.TLT_DATA_DIR / str(team.pk)
+    folder.mkdir(parents=True)
+    (folder / "sneaky.jsonl").symlink_to("/etc/passwd")
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="x", preset="tiny-cpu", config_yaml=_jsonl_yaml("sneaky.jsonl"))
+    assert "task.path" in err.value.errors
+
+
+def test_run_launch_accepts_paths_inside_the_allowed_folders(alice, team, settings):
+    text = _yaml_with(task={"kind": "jsonl", "path": "tasks/math.jsonl"},
+                      model={"source": "hf", "path": f"{settings.TLT_MODELS_DIR}/qwen"})
+    run = run_launch(user=alice, team=team, name="ok", preset="tiny-cpu", config_yaml=text)
+    assert run.config["task"]["path"] == "tasks/math.jsonl"  # stored as written; the trainer resolves it again
+
+
+def test_run_launch_rejects_a_model_path_in_another_teams_folder(alice, team, charlie, settings):
+    from tltweb.accounts.models import Team
+
+    other = Team.objects.get(name="Charlie's lab")
+    text = _yaml_with(model={"source": "hf", "path": f"{settings.TLT_DATA_DIR}/{other.pk}/model"})
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="x", preset="tiny-cpu", config_yaml=text)
+    assert "model.path" in err.value.errors
+
+
+def test_the_form_names_a_bad_path_inline(client, alice, team):
+    client.force_login(alice)
+    resp = client.post(reverse("run-launch"), {"team": team.pk, "preset": "tiny-cpu", "config_yaml": _jsonl_yaml("/etc/passwd")})
+    assert resp.status_code == 400 and "<code>task.path</code>" in resp.content.decode()
+
+
+# ---- impossible configs: more rollout workers than the Ray cluster has ----
+
+@pytest.fixture
+def cluster_check(settings, ray_head):
+    settings.TLT_LAUNCH_CHECK_CLUSTER = True
+    return ray_head
+
+
+def test_run_launch_rejects_more_rollout_workers_than_the_cluster_has_cpus(alice, team, cluster_check):
+    from tltweb.runs.dispatch import cluster_resources
+
+    cpus = int(cluster_resources()["CPU"])
+    text = _yaml_with(rollout={"num_workers": cpus + 1}, task={"prompts_per_step": 64})
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="big", preset="tiny-cpu", config_yaml=text)
+    assert f"{cpus + 1} CPUs" in err.value.errors["rollout.num_workers"]
+    assert not Run.objects.exists()
+
+
+def test_run_launch_rejects_gpu_workers_on_a_cluster_without_enough_gpus(alice, team, cluster_check):
+    from tltweb.runs.dispatch import cluster_resources
+
+    gpus = int(cluster_resources().get("GPU", 0))
+    text = _yaml_with(run={"device": "cuda"}, rollout={"num_workers": gpus + 1}, task={"prompts_per_step": 64})
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="gpu", preset="tiny-cpu", config_yaml=text)
+    assert "GPUs" in err.value.errors["rollout.num_workers"]
+
+
+def test_run_launch_accepts_what_the_cluster_can_hold(alice, team, cluster_check):
+    assert run_launch(user=alice, team=team, name="fits", preset="tiny-cpu").state == "queued"
+
+
+def test_run_launch_says_so_when_ray_does_not_answer(alice, team, settings, client):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    settings.TLT_LAUNCH_CHECK_CLUSTER = True
+    settings.RAY_ADDRESS = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConfigError) as err:
+        run_launch(user=alice, team=team, name="x", preset="tiny-cpu")
+    assert "did not answer" in err.value.errors["cluster"]
+    client.force_login(alice)
+    resp = _api(client, alice, "post", reverse("api-runs"), {"preset": "tiny-cpu"})
+    assert resp.status_code == 400 and "cluster" in resp.json()["errors"]
+    assert not Run.objects.exists()

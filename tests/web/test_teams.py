@@ -86,3 +86,13 @@ def test_the_api_refuses_invites_from_non_owners_and_outsiders(client, bob, team
     assert _api(client, bob, "put", reverse("api-team-members", args=[team.pk]), body).status_code == 403
     assert _api(client, charlie, "put", reverse("api-team-members", args=[team.pk]), body).status_code == 404
     assert not Member.objects.filter(team=team, user=charlie).exists()
+
+
+def test_the_api_cannot_demote_the_last_owner(client, alice, team, charlie):
+    """PUT .../members goes through team_member_add, so the locked last-owner rule of the pages holds."""
+    resp = _api(client, alice, "put", reverse("api-team-members", args=[team.pk]), {"username": "alice", "role": "editor"})
+    assert resp.status_code == 400 and "owner" in resp.json()["errors"]["role"]
+    assert Member.objects.get(team=team, user=alice).role == "owner"
+    _api(client, alice, "put", reverse("api-team-members", args=[team.pk]), {"username": "charlie", "role": "owner"})
+    resp = _api(client, alice, "put", reverse("api-team-members", args=[team.pk]), {"username": "alice", "role": "editor"})
+    assert resp.status_code == 200 and resp.json() == {"username": "alice", "role": "editor"}

@@ -265,6 +265,8 @@ def load_config(data: str | dict[str, Any]) -> TLTConfig:
             data = yaml.safe_load(data) or {}
         except yaml.YAMLError as exc:
             raise ConfigError({"yaml": str(exc)}) from exc
+        except RecursionError:  # PyYAML's composer recurses once per nesting level: "[" * 5000
+            raise ConfigError({"yaml": "nested too deeply"}) from None
     if not isinstance(data, dict):
         raise ConfigError({"config": "must be a mapping of sections"})
     try:

@@ -20,14 +20,20 @@ second per phase (plus every phase's first and last), so a 300-step SFT does not
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
+
+import tenacity
 
 log = logging.getLogger(__name__)
 
@@ -142,54 +148,182 @@ class JsonlSink:
         self._fh.close()
 
 
-class HttpSink:
-    """Posts records to the platform's ingestion API with the run's token.
+class IngestRejected(RuntimeError):
+    """The platform refused a record (HTTP 4xx other than 408/425/429): sending it again cannot help."""
 
-    `base_url` is the run's ingestion root (`.../api/ingest/runs/<run id>/`); the platform upserts
-    per (run, step), so a retried post never duplicates a step. Network failures are retried with
-    back-off and then raised: a run must not silently lose its metrics.
+    def __init__(self, what: str, status: int, body: str):
+        self.what, self.status, self.body = what, status, body
+        super().__init__(f"the platform rejected {what}: HTTP {status}: {body[:500]}")
+
+
+class IngestUnavailable(RuntimeError):
+    """The platform stayed unreachable (network errors, 5xx) for the whole retry budget."""
+
+
+class _Transient(Exception):
+    """A response worth retrying (5xx, 408, 425, 429)."""
+
+
+RETRY_STATUSES = frozenset({408, 425, 429})
+
+
+def file_digest(path: str | Path, chunk: int = 1 << 20) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in chunks (never whole into memory)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+class MultipartFile:
+    """A multipart/form-data body that streams one file from disk, with a known Content-Length.
+
+    requests sends an object with `read` and `__len__` in blocks, so a multi-GB checkpoint never sits
+    in memory (requests' own `files=` builds the whole body in memory). Exactly `size` bytes of the
+    file are sent; the server compares what it stored with the `size` and `sha256` fields.
     """
 
-    def __init__(self, base_url: str, token: str, retries: int = 5):
+    def __init__(self, fields: dict[str, str], path: str | Path, *, size: int, filename: str, field: str = "file"):
+        self.boundary = uuid.uuid4().hex
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", filename) or "file"
+        parts = [
+            f'--{self.boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+            for name, value in fields.items()
+        ]
+        parts.append(f'--{self.boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{safe}"\r\n'
+                     "Content-Type: application/octet-stream\r\n\r\n")
+        self._head = "".join(parts).encode()
+        self._tail = f"\r\n--{self.boundary}--\r\n".encode()
+        self._size = size
+        self._fh = open(path, "rb")  # opened per attempt: a retry never resends a file read to its end
+        self._pos = 0
+        self.content_type = f"multipart/form-data; boundary={self.boundary}"
+
+    def __len__(self) -> int:
+        return len(self._head) + self._size + len(self._tail)
+
+    def read(self, n: int = -1) -> bytes:
+        total = len(self)
+        if n is None or n < 0:
+            n = total - self._pos
+        out = bytearray()
+        while n > 0 and self._pos < total:
+            head_end, file_end = len(self._head), len(self._head) + self._size
+            if self._pos < head_end:
+                piece = self._head[self._pos:self._pos + n]
+            elif self._pos < file_end:
+                piece = self._fh.read(min(n, file_end - self._pos))
+                if not piece:  # the file shrank: stop short (the server sees fewer bytes and refuses it)
+                    raise OSError(f"{self._fh.name} shrank while uploading")
+            else:
+                offset = self._pos - file_end
+                piece = self._tail[offset:offset + n]
+            out += piece
+            self._pos += len(piece)
+            n -= len(piece)
+        return bytes(out)
+
+    def __iter__(self):
+        while chunk := self.read(1 << 16):
+            yield chunk
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class HttpSink:
+    """Posts records to the platform's ingestion API with the run's token, synchronously.
+
+    `base_url` is the run's ingestion root (`.../api/ingest/runs/<run id>/`); the platform upserts
+    per (run, step) and per (run, kind, step), so a retried post never duplicates anything.
+    Network errors, 5xx, 408/425/429 are retried with exponential back-off (tenacity; waits grow
+    from 1 s to `max_wait_s`) for up to `retry_s` seconds, then IngestUnavailable; any other 4xx
+    raises IngestRejected at once. An artifact is streamed from disk, its file reopened on every
+    attempt, with its size and sha256 so the platform stores it only if that is what it received.
+
+    The trainer does not use this directly: SpoolSink (workers/tlt/spool.py) writes to a local
+    spool first and delivers through this class from a background thread.
+    """
+
+    def __init__(self, base_url: str, token: str, *, retry_s: float = 600.0, max_wait_s: float = 60.0,
+                 timeout_s: float = 60.0):
         import requests  # local: GPU nodes without the platform extras never need it
 
+        self._requests = requests
         self._session = requests.Session()
         self._session.headers["Authorization"] = f"Bearer {token}"
         self.base_url = base_url.rstrip("/") + "/"
-        self.retries = retries
+        self.retry_s = retry_s
+        self.max_wait_s = max_wait_s
+        self.timeout_s = timeout_s
+        self.abort = threading.Event()  # set to give up at once (the spool's hard stop)
 
-    def _post(self, path: str, **kwargs: Any) -> None:
-        delay = 0.5
-        for attempt in range(self.retries):
-            try:
-                resp = self._session.post(self.base_url + path, timeout=60, **kwargs)
-                if resp.status_code < 500:
-                    resp.raise_for_status()
-                    return
-                err = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            except Exception as exc:  # connection errors: retry
-                if attempt == self.retries - 1:
-                    raise
-                err = str(exc)
-            log.warning("ingest %s failed (%s), retrying in %.1fs", path, err, delay)
-            time.sleep(delay)
-            delay *= 2
-        raise RuntimeError(f"ingest {path} failed after {self.retries} attempts")
+    def _transient(self, exc: BaseException) -> bool:
+        r = self._requests.exceptions
+        return isinstance(exc, (_Transient, r.ConnectionError, r.Timeout, r.ChunkedEncodingError))
+
+    def _post(self, path: str, what: str, make: Callable[[], dict[str, Any]]) -> Any:
+        """POST with bounded retries; `make()` builds fresh request kwargs for every attempt."""
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("ingest %s failed (%s); attempt %d, retrying in %.0fs", what, exc, state.attempt_number,
+                        state.next_action.sleep if state.next_action else 0)
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(self._transient),
+            wait=tenacity.wait_exponential_jitter(initial=1.0, max=self.max_wait_s, jitter=1.0),
+            stop=tenacity.stop_after_delay(self.retry_s) | tenacity.stop_when_event_set(self.abort),
+            sleep=lambda seconds: self.abort.wait(seconds),  # a hard stop cuts the wait short
+            before_sleep=before_sleep,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    kwargs = make()
+                    body = kwargs.get("data")
+                    try:
+                        resp = self._session.post(self.base_url + path, timeout=self.timeout_s, **kwargs)
+                    finally:
+                        if isinstance(body, MultipartFile):
+                            body.close()
+                    if resp.status_code >= 500 or resp.status_code in RETRY_STATUSES:
+                        raise _Transient(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                    if resp.status_code >= 400:
+                        raise IngestRejected(what, resp.status_code, resp.text)
+                    return resp
+        except tenacity.RetryError as exc:
+            last = exc.last_attempt.exception()
+            raise IngestUnavailable(
+                f"ingest {what}: the platform was unreachable for {exc.last_attempt.attempt_number} attempts: {last}"
+            ) from last
 
     def log(self, step: int, scalars: dict[str, float], series: dict[str, Any]) -> None:
-        self._post("metrics", json={"step": step, "scalars": scalars, "series": series})
+        body = {"step": step, "scalars": scalars, "series": series}
+        self._post("metrics", f"metrics of step {step}", lambda: {"json": body})
 
-    def artifact(self, kind: str, step: int, path: Path) -> None:
-        with open(path, "rb") as fh:
-            self._post("artifacts", data={"kind": kind, "step": str(step)}, files={"file": (path.name, fh)})
+    def artifact(self, kind: str, step: int, path: Path, *, size: int | None = None, sha256: str | None = None,
+                 filename: str | None = None) -> None:
+        if size is None or sha256 is None:
+            size, sha256 = file_digest(path)
+        fields = {"kind": kind, "step": str(step), "size": str(size), "sha256": sha256}
+        name = filename or Path(path).name
+
+        def make() -> dict[str, Any]:
+            body = MultipartFile(fields, path, size=size, filename=name)
+            return {"data": body, "headers": {"Content-Type": body.content_type}}
+
+        self._post("artifacts", f"artifact {kind} of step {step}", make)
 
     def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
-        """Progress is a nicety: one try, and a failure is logged, never raised (unlike metrics)."""
+        """Progress is a nicety: one try with a short timeout; a failure is logged, never raised."""
         body = {"phase": phase, "done": done, "total": total, "message": message[:500]}
         try:
-            resp = self._session.post(self.base_url + "progress", json=body, timeout=10)
+            resp = self._session.post(self.base_url + "progress", json=body, timeout=min(10.0, self.timeout_s))
             resp.raise_for_status()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never let a hint fail the run
             log.warning("ingest progress failed: %s", exc)
 
     def close(self) -> None:
@@ -300,5 +434,12 @@ class Tracking:
             sink.artifact(kind, step, path)
 
     def close(self) -> None:
+        """Close every sink, even when one raises (the spool's IngestRejected); then raise the first error."""
+        first: BaseException | None = None
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other sinks closed
+                first = first or exc
+        if first is not None:
+            raise first

@@ -5,9 +5,13 @@
     TLT_CONFIG="$(cat run.yaml)" python -m workers.tlt.train --out runs/demo     # what a Ray job does
 
 Metrics always go to the console and to OUT/metrics.jsonl; with TLT_INGEST_URL and TLT_RUN_TOKEN
-set they are also posted to the platform, and with TLT_MLFLOW_TRACKING_URI set they are mirrored to
-MLflow (experiment TLT_MLFLOW_EXPERIMENT, run name TLT_RUN_NAME; TLT_MLFLOW_ARTIFACTS=1 also copies
-the drafter and policy zips there). A bad config exits with code 2 and names the field.
+set they also go to the platform (setup progress included), through a local spool (OUT/spool,
+workers/tlt/spool.py) that a background thread delivers, so an absent web app never stops training;
+if the spool cannot be emptied at the end the exit code is 75 and a --resume delivers the rest. With
+TLT_MLFLOW_TRACKING_URI set they are mirrored to MLflow (experiment TLT_MLFLOW_EXPERIMENT, run name
+TLT_RUN_NAME; TLT_MLFLOW_ARTIFACTS=1 also copies the drafter and policy zips there). A bad config,
+or a task.path/model.path outside TLT_DATA_ROOTS/TLT_MODEL_ROOTS (workers/tlt/paths.py), exits with
+code 2 and names the field.
 SIGTERM (Ray job stop) abandons the step in flight, flushes the background checkpoint writer (so
 the last checkpoint is complete; --resume continues from it) and exits 143.
 """
@@ -22,12 +26,25 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, TLTConfig, load_config, preset
-from .metrics import ConsoleSink, HttpSink, JsonlSink, MlflowSink, Tracking
+from .metrics import ConsoleSink, JsonlSink, MlflowSink, Tracking
+from .paths import PathRoots, config_paths_resolve
+from .spool import spool_from_env
 
 log = logging.getLogger("workers.tlt.train")
 
 EXIT_BAD_CONFIG = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_UNDELIVERED = 75  # EX_TEMPFAIL: trained, but the spool still holds records for the platform
+EXIT_INFRA = 69  # EX_UNAVAILABLE: a Ray worker, node or object died under the trainer (the platform resumes it)
+
+
+def ray_infra_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the cluster failed the trainer, not the trainer's own code (RayTaskError is that)."""
+    import ray.exceptions as rex
+
+    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ObjectLostError",
+             "OutOfMemoryError", "GetTimeoutError", "RaySystemError")
+    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
 
 
 class Terminated(Exception):
@@ -51,10 +68,12 @@ def read_config(path: str | None, preset_name: str | None) -> TLTConfig:
 
 
 def build_tracking(out: Path, cfg: TLTConfig | None = None) -> Tracking:
+    """Console and OUT/metrics.jsonl always; the platform through the spool (records, artifacts and
+    progress) when the job has its ingestion URL and token; the MLflow mirror when configured."""
     sinks = [ConsoleSink(), JsonlSink(out / "metrics.jsonl")]
     url, token = os.environ.get("TLT_INGEST_URL"), os.environ.get("TLT_RUN_TOKEN")
     if url and token:
-        sinks.append(HttpSink(url, token))
+        sinks.append(spool_from_env(out, url, token))
     elif url or token:
         log.warning("TLT_INGEST_URL and TLT_RUN_TOKEN must both be set to post metrics; posting nothing")
     mlflow = mlflow_sink(cfg)
@@ -115,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             data = cfg.model_dump(mode="json")
             data["run"]["steps"] = args.steps
             cfg = load_config(data)
+        cfg = config_paths_resolve(cfg, PathRoots.from_env())  # before anything opens a path
     except ConfigError as exc:
         print(f"error: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -140,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    infra_failure = False
     try:
         trainer.setup()
         bar.n = trainer.step
@@ -149,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except (Terminated, KeyboardInterrupt):
         terminated = True
         log.warning("terminated at step %d: flushing the checkpoint writer", trainer.step)
+    except ray_infra_errors() as exc:  # exit 69: the platform resumes the run from its last checkpoint
+        infra_failure = True
+        log.error("the Ray cluster failed the trainer at step %d: %r", trainer.step, exc)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the flush short
         bar.close()
@@ -157,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             tracking.close()
             signal.signal(signal.SIGTERM, previous)
-    return EXIT_TERMINATED if terminated else 0
+    if terminated:
+        return EXIT_TERMINATED
+    if infra_failure:
+        return EXIT_INFRA
+    return EXIT_UNDELIVERED if any(getattr(s, "undelivered", 0) for s in tracking.sinks) else 0
 
 
 if __name__ == "__main__":

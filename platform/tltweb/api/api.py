@@ -1,8 +1,9 @@
 """The NinjaAPI object: JSON errors in one shape, the docs page from the vendored Swagger UI.
 
 Every error is `{"error": "<for a person>", "errors": {"<field>": "<message>"}}` (`errors` only on
-400s): 400 bad body/query (the field named), 401 no or bad credentials, 403 a role too low (or CSRF),
-404 unknown or not yours, 409 an action the run's state does not allow.
+400s): 400 bad body/query (the field named), 401 no or bad credentials, 403 a role too low (or CSRF,
+or ingestion for a run that ended), 404 unknown or not yours, 409 an action the run's state does not
+allow, 429 too many invalid API tokens from one address.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.openapi.docs import DocsBase
 from ninja.parser import Parser
 
-from tltweb.runs.services import RunStateError
+from tltweb.accounts.lockout import lockout_response
+from tltweb.accounts.services import LoginLockedOut
+from tltweb.runs.errors import RunStateError
 from workers.tlt.config import ConfigError
 
 DESCRIPTION = """Runs, their metrics, samples, logs and artifacts, and teams.
@@ -139,6 +142,11 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
 @api.exception_handler(PermissionDenied)
 def _forbidden(request: HttpRequest, exc: PermissionDenied) -> HttpResponse:
     return error(request, 403, str(exc) or "forbidden")
+
+
+@api.exception_handler(LoginLockedOut)
+def _locked_out(request: HttpRequest, exc: LoginLockedOut) -> HttpResponse:
+    return lockout_response(request)  # 429, as the login page's lockout (django-axes)
 
 
 @api.exception_handler(RunStateError)

@@ -1,9 +1,11 @@
 """Who is calling: a person (personal API token, or the browser session with CSRF) or a training
 job (the run's own ingestion token). Same rules as before django-ninja:
 
-- `Authorization: Bearer tlt_...` that is wrong or revoked: 401, whatever the session says.
+- `Authorization: Bearer tlt_...` that is wrong or revoked: 401, whatever the session says; after
+  TLT_LOGIN_FAILURE_LIMIT of them from one address, 429 (django-axes) until the cool-off ends.
 - no header and no session: 401; a session on an unsafe method without a valid CSRF token: 403.
-- ingestion: no bearer token: 401; a token that is not this run's (or an unknown run): 403.
+- ingestion: no bearer token: 401; a token that is not this run's (or an unknown run): 403; the
+  run's token after the run reached a final state (it is revoked then): 403, the run is immutable.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ApiToken(HttpBearer):
         return self.authenticate(request, bearer(request) or "")
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
-        user = api_token_authenticate(plain=token) if token else None
+        user = api_token_authenticate(plain=token, request=request) if token else None  # LoginLockedOut: 429
         if user is None:
             raise AuthenticationError(401, "invalid or revoked API token")
         request.user = user
@@ -71,10 +73,9 @@ class RunToken(HttpBearer):
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
         run_id = (request.resolver_match.kwargs if request.resolver_match else {}).get("run_id")
-        run = selectors.run_get_for_ingest(run_id=run_id, token=token) if run_id else None
-        if run is None:
+        if not run_id:
             raise HttpError(403, "wrong run token")
-        return run
+        return selectors.run_get_for_ingest(run_id=run_id, token=token)  # PermissionDenied, RunFinished: 403
 
 
 USER_AUTH = [ApiToken(), Session()]

@@ -146,11 +146,14 @@ class MetricsBody(_Body):
 
 
 ARTIFACT_KIND_PATTERN = r"^[a-z][a-z0-9_-]{0,29}$"
+SHA256_PATTERN = r"^[0-9a-fA-F]{64}$"
 
 
 class ArtifactForm(_Body):
     kind: str = Field(pattern=ARTIFACT_KIND_PATTERN)
     step: int = Field(ge=0, le=10_000_000)
+    size: int = Field(ge=0, description="Bytes the sender measured; a file that differs is refused.")
+    sha256: str = Field(pattern=SHA256_PATTERN, description="SHA-256 the sender measured (hex).")
 
 
 class ProgressBody(_Body):
@@ -212,6 +215,20 @@ class RunOut(BaseModel):
     reward: float | None = Field(description="reward/mean of the newest step")
     acceptance: float | None = Field(description="spec/acceptance_length of the newest step")
     progress: ProgressOut | None
+    attempt: int = Field(description="0 for the first Ray job; each resume (automatic or a click) adds one")
+    resumable: bool = Field(description="failed (not by a bad config) or cancelled and stopped: POST .../resume")
+
+
+class AttemptOut(BaseModel):
+    """An earlier attempt of a run: its Ray job, how it ended, who resumed it."""
+
+    attempt: int
+    submission_id: str
+    state: str
+    failure: str | None = Field(description="infra | trainer | submit | config (failed attempts)")
+    error: str | None
+    finished_at: datetime | None
+    resumed_by: str = Field(description='"auto" or the username that clicked Resume')
 
 
 class RunDetailOut(RunOut):
@@ -221,7 +238,12 @@ class RunDetailOut(RunOut):
     error: str
     log_tail: str
     log_url: str | None = Field(description="the whole job log (text/plain), once the run has ended")
-    submission_id: str
+    submission_id: str = Field(description="the Ray job of the current attempt")
+    failure: Literal["", "infra", "trainer", "submit", "config"] = Field(
+        description="why a failed run failed: infra is resumed automatically, config never"
+    )
+    auto_resumes: int
+    attempts: list[AttemptOut] = Field(description="the earlier attempts, oldest first")
 
 
 class RunListOut(BaseModel):
@@ -236,6 +258,7 @@ class StepScalarsOut(BaseModel):
 class MetricsOut(BaseModel):
     state: str
     active: bool
+    attempt: int = Field(description="the run's current attempt (the page reloads when it changes)")
     error: str
     steps: list[StepScalarsOut]
     last_step: int

@@ -22,6 +22,7 @@ from tltweb.api.api import api
 from tltweb.api.auth import USER_AUTH, RunToken
 from tltweb.api.schemas import (
     ARTIFACT_KIND_PATTERN,
+    SHA256_PATTERN,
     ArtifactForm,
     ArtifactListOut,
     ArtifactOut,
@@ -74,6 +75,8 @@ def run_out(run: Run, *, full: bool = False) -> dict[str, Any]:
         "created_at": run.created_at,
         "started_at": run.started_at,
         "finished_at": run.finished_at,
+        "attempt": run.attempt,
+        "resumable": run.is_resumable,
         "url": reverse("run-detail", args=[run.id]),
         **selectors.run_live(run),
     }
@@ -87,6 +90,10 @@ def run_out(run: Run, *, full: bool = False) -> dict[str, Any]:
             log_tail=run.log_tail,
             log_url=reverse("api-run-log", args=[run.id]) if has_log else None,
             submission_id=run.submission_id,
+            failure=run.failure,
+            auto_resumes=run.auto_resumes,
+            attempts=[{k: a.get(k) for k in ("attempt", "submission_id", "state", "failure", "error", "finished_at",
+                                              "resumed_by")} for a in run.attempts_log],
         )
     return data
 
@@ -110,6 +117,7 @@ def metrics_out(run: Run, *, since: int) -> dict[str, Any]:
     return {
         "state": run.state,
         "active": run.is_active,
+        "attempt": run.attempt,
         "error": run.error,
         "steps": steps,
         "last_step": steps[-1]["step"] if steps else since,
@@ -190,6 +198,17 @@ def run_cancel(request: HttpRequest, run_id: uuid.UUID):
     """409 when the run has already ended."""
     run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="edit")
     return run_out(services.run_cancel(run=run), full=True)
+
+
+@runs.post("/runs/{uuid:run_id}/resume", response={200: RunDetailOut, 409: E, **USER_ERRORS},
+           url_name="api-run-resume",
+           summary="Resume a failed or cancelled run from its last checkpoint (editor)",
+           openapi_extra=access("edit"))
+def run_resume(request: HttpRequest, run_id: uuid.UUID):
+    """A new Ray job (the next attempt) continues from the last complete checkpoint in the run's folder.
+    409 when the run is active, failed of a bad config, or cancelled but its job not yet confirmed stopped."""
+    run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="edit")
+    return run_out(services.run_resume(run=run, user=request.auth), full=True)
 
 
 @runs.post("/runs/{uuid:run_id}/clone", response={201: RunDetailOut, **USER_ERRORS}, url_name="api-run-clone",
@@ -331,9 +350,12 @@ _MULTIPART = {
                     "properties": {
                         "kind": {"type": "string", "pattern": ARTIFACT_KIND_PATTERN},
                         "step": {"type": "integer", "minimum": 0},
+                        "size": {"type": "integer", "minimum": 0, "description": "bytes the sender measured"},
+                        "sha256": {"type": "string", "pattern": SHA256_PATTERN,
+                                   "description": "SHA-256 (hex) the sender measured"},
                         "file": {"type": "string", "format": "binary"},
                     },
-                    "required": ["kind", "step", "file"],
+                    "required": ["kind", "step", "size", "sha256", "file"],
                 }
             }
         },
@@ -342,21 +364,24 @@ _MULTIPART = {
 
 
 @ingest.post("/ingest/runs/{uuid:run_id}/artifacts", response={201: ArtifactOut, **INGEST_ERRORS},
-             url_name="ingest-artifacts", summary="Upload an artifact (multipart: kind, step, file)",
+             url_name="ingest-artifacts",
+             summary="Upload an artifact (multipart: kind, step, size, sha256, file); stored only if size and sha256 match",
              openapi_extra=access("run-token", **_MULTIPART))
 def ingest_artifacts(request: HttpRequest, run_id: uuid.UUID):
-    """The token is checked before a byte of the body is read; the file streams to disk, hashed."""
+    """The token is checked before a byte of the body is read; the file streams to disk, hashed, and is
+    kept only when its size and sha256 are the ones the trainer measured (400 otherwise, nothing stored)."""
     run = request.auth
     request.upload_handlers = [HashingUploadHandler(services.artifact_folder(run), settings.TLT_MAX_ARTIFACT_BYTES, request)]
     uploads = request.FILES.getlist("file")
     try:
         try:
-            form = ArtifactForm.model_validate({"kind": request.POST.get("kind", ""), "step": request.POST.get("step", "")})
+            form = ArtifactForm.model_validate({k: request.POST.get(k, "") for k in ("kind", "step", "size", "sha256")})
         except pydantic.ValidationError as exc:  # a bad form field: 400 naming it, like a bad JSON body
             raise NinjaValidationError([{**e, "loc": ("form", *e["loc"])} for e in exc.errors()]) from None
         if len(uploads) != 1:
             raise ValidationError({"file": "send exactly one multipart field 'file'"})
-        artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0])
+        artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0],
+                                           expected_size=form.size, expected_sha256=form.sha256)
     finally:
         for upload in uploads:  # streamed .part files: renamed when stored, removed otherwise
             if isinstance(upload, HashedUpload):

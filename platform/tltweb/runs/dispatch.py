@@ -55,8 +55,39 @@ def job_status(info: Any) -> str:
     return str(getattr(status, "value", status))
 
 
-def job_entrypoint(*, out_dir: str) -> str:
-    """`cd <repo> && <python> -m workers.tlt.train --out <dir>`: the job's driver is the trainer."""
+def job_entrypoint(*, out_dir: str, resume: bool = False) -> str:
+    """`cd <repo> && exec <python> -m workers.tlt.train --out <dir> [--resume]`: the job's driver is the trainer."""
     workdir = shlex.quote(settings.TLT_JOB_WORKDIR)
     python = shlex.quote(settings.TLT_JOB_PYTHON)
-    return f"cd {workdir} && exec {python} -m workers.tlt.train --out {shlex.quote(out_dir)}"
+    flags = " --resume" if resume else ""
+    return f"cd {workdir} && exec {python} -m workers.tlt.train --out {shlex.quote(out_dir)}{flags}"
+
+
+def cluster_resources(*, timeout_s: float = 5.0, ready_s: float = 10.0) -> dict[str, float]:
+    """Total resources of the cluster's alive nodes ({"CPU": 4.0, "GPU": 1.0, ...}) from the dashboard's
+    state API at RAY_ADDRESS. Raises ConnectionError when Ray does not answer, ValueError for a reply
+    that is not the state API's."""
+    import time
+
+    import requests
+
+    url = settings.RAY_ADDRESS.rstrip("/") + "/api/v0/nodes?limit=10000"
+    deadline = time.monotonic() + ready_s
+    while True:
+        try:
+            resp = requests.get(url, headers=ray_auth_headers(), timeout=timeout_s)
+            resp.raise_for_status()
+            nodes = resp.json()["data"]["result"]["result"]
+        except requests.RequestException as exc:
+            raise ConnectionError(str(exc)) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"unexpected reply from {url}: {exc}") from None
+        total: dict[str, float] = {}
+        for node in nodes:
+            if node.get("state") != "ALIVE":
+                continue
+            for name, amount in (node.get("resources_total") or {}).items():
+                total[name] = total.get(name, 0.0) + float(amount)
+        if total or time.monotonic() > deadline:  # a head that just started lists its node a moment later
+            return total
+        time.sleep(0.5)

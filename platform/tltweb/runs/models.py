@@ -6,6 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from tltweb.accounts.models import Team
 
@@ -19,6 +20,16 @@ class RunState(models.TextChoices):
 
 
 ACTIVE_STATES = (RunState.QUEUED, RunState.RUNNING)
+FINAL_STATES = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+
+
+class Failure(models.TextChoices):
+    """Why a failed run failed: decides whether it is resumed automatically, on a click, or not at all."""
+
+    INFRA = "infra", "Infrastructure"  # the job died (killed, node lost, cluster restarted): resumed automatically
+    TRAINER = "trainer", "Trainer error"  # the trainer raised (exit 1): resumable on a click
+    SUBMIT = "submit", "Not submitted"  # Ray never took the job: resumable on a click
+    CONFIG = "config", "Bad config"  # exit 2: resuming would fail the same way
 
 
 class Run(models.Model):
@@ -38,9 +49,22 @@ class Run(models.Model):
     submitted_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    queued_at = models.DateTimeField(default=timezone.now)  # launch or last resume: when a submit is due
     error = models.TextField(blank=True)
+    failure = models.CharField(max_length=10, choices=Failure.choices, blank=True)
     log_tail = models.TextField(blank=True)
+    # The ingestion token is derived (HMAC with SECRET_KEY) from the run, its attempt and this salt, so a
+    # retried submit hands the job the token whose hash was committed before the job existed.
     ingest_token_hash = models.CharField(max_length=64, blank=True)  # SHA-256 of the run's token
+    ingest_token_salt = models.CharField(max_length=64, blank=True)
+    ingest_token_revoked_at = models.DateTimeField(null=True, blank=True)  # set when the run reaches a final state
+    # Resume: attempt 0 is the first Ray job; each resume (automatic or a click) submits a new job with
+    # --resume on the same out_dir, which continues from the last complete checkpoint.
+    attempt = models.PositiveSmallIntegerField(default=0)
+    auto_resumes = models.PositiveSmallIntegerField(default=0)
+    attempts_log = models.JSONField(default=list, blank=True)  # earlier attempts: [{attempt, submission_id, state, error, ...}]
+    out_dir = models.CharField(max_length=500, blank=True)  # the trainer's --out, fixed at the first submit
+    job_stopped_at = models.DateTimeField(null=True, blank=True)  # cancelled runs: when Ray confirmed the job stopped
     # The trainer's latest setup/training progress (services.run_progress_record): phase, done,
     # total, message, when the phase began and where it stood then (the ETA's rate), finished phases.
     progress = models.JSONField(default=dict, blank=True)
@@ -53,12 +77,19 @@ class Run(models.Model):
 
     @property
     def submission_id(self) -> str:
-        """The Ray job id: derived from the run, so a retried submit finds the same job."""
-        return f"tlt-run-{self.id}"
+        """The Ray job id of this attempt: derived from the run, so a retried submit finds the same job."""
+        return f"tlt-run-{self.id}" if not self.attempt else f"tlt-run-{self.id}-r{self.attempt}"
 
     @property
     def is_active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def is_resumable(self) -> bool:
+        """A failed run (unless its config is bad) or a cancelled one whose job Ray has confirmed stopped."""
+        if self.state == RunState.FAILED:
+            return self.failure != Failure.CONFIG
+        return self.state == RunState.CANCELLED and (self.job_stopped_at is not None or not self.submitted_at)
 
 
 class MetricStep(models.Model):

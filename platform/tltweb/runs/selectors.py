@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import DurationField, ExpressionWrapper, F, FloatField, OuterRef, Q, QuerySet, Subquery
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Coalesce, Now
@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from tltweb.accounts.models import Member
 from tltweb.accounts.services import token_matches
+from tltweb.runs.errors import RunFinished
 from tltweb.runs.models import Artifact, MetricStep, RolloutSample, Run
 
 # Sort keys of the run list (API `sort`, page `?sort=`); "-" in front sorts descending.
@@ -39,7 +40,7 @@ def run_get_for_user(*, user: User, run_id: uuid.UUID | str, need: str = "view")
     """The run and the user's membership: 404 for outsiders (and unknown ids), 403 for a too-low role."""
     try:
         run = Run.objects.select_related("team", "creator").get(pk=run_id)
-    except (Run.DoesNotExist, ValueError, TypeError):
+    except (Run.DoesNotExist, ValueError, TypeError, ValidationError):  # ValidationError: not a UUID
         raise Http404("no such run") from None
     member = _member(user, run.team_id)
     if member is None:
@@ -49,24 +50,31 @@ def run_get_for_user(*, user: User, run_id: uuid.UUID | str, need: str = "view")
     return run, member
 
 
+def run_get_for_ingest(*, run_id: uuid.UUID | str, token: str) -> Run:
+    """The run a trainer's token belongs to.
+
+    PermissionDenied for an unknown run or a wrong token (the same answer: run ids are not secrets,
+    but no oracle either); RunFinished when the token is right but was revoked because the run
+    reached a final state (its metrics and artifacts are immutable from then on).
+    """
+    try:
+        run = Run.objects.filter(pk=run_id).first()
+    except (ValueError, TypeError, ValidationError):  # not a UUID (the API's URL patterns only pass UUIDs)
+        run = None
+    if run is None or not run.ingest_token_hash or not token_matches(token, run.ingest_token_hash):
+        raise PermissionDenied("wrong run token")
+    if run.ingest_token_revoked_at is not None:
+        raise RunFinished(f"this run has ended ({run.state}) and its ingestion token is revoked: "
+                          "its metrics and artifacts are immutable")
+    return run
+
+
 def artifact_get_for_user(*, user: User, run_id: uuid.UUID | str, artifact_id: int) -> Artifact:
     run, _ = run_get_for_user(user=user, run_id=run_id, need="view")
     artifact = Artifact.objects.filter(run=run, pk=artifact_id).first()
     if artifact is None:
         raise Http404("no such artifact")
     return artifact
-
-
-def run_get_for_ingest(*, run_id: uuid.UUID | str, token: str) -> Run | None:
-    """The run whose ingestion token this is, or None (same answer for an unknown run and a wrong
-    token: run ids are not secrets, but the endpoint is no oracle either)."""
-    try:
-        run = Run.objects.filter(pk=run_id).first()
-    except (ValueError, TypeError):  # pragma: no cover - the URL pattern only passes UUIDs
-        return None
-    if run is None or not run.ingest_token_hash or not token_matches(token, run.ingest_token_hash):
-        return None
-    return run
 
 
 def _latest(key: str) -> Subquery:
@@ -89,6 +97,8 @@ def run_list_for_user(
 ) -> QuerySet[Run]:
     """The user's runs, filtered, with the list's live columns annotated: last_step,
     latest_reward, latest_acceptance (the newest step's scalars) and duration."""
+    if any("\x00" in value for value in (state, tag, creator, preset, q)):
+        return Run.objects.none()  # nothing stored contains NUL (and PostgreSQL refuses it in a query)
     runs = Run.objects.select_related("team", "creator").filter(team__members__user=user)
     if team_id:
         runs = runs.filter(team_id=team_id)

@@ -5,8 +5,11 @@ Views, the API, Celery tasks and management commands only call these and the sel
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import logging
+import re
 import secrets
 import shutil
 import uuid
@@ -23,21 +26,28 @@ from django.utils import timezone
 from tltweb.accounts.models import Member, Team
 from tltweb.accounts.services import token_hash
 from tltweb.runs import dispatch
+from tltweb.runs.errors import RunFinished, RunStateError  # noqa: F401  (RunStateError: services.RunStateError)
 from tltweb.runs.logtext import log_clean, log_tail
-from tltweb.runs.models import ACTIVE_STATES, Artifact, MetricStep, RolloutSample, Run, RunState
+from tltweb.runs.models import ACTIVE_STATES, Artifact, Failure, MetricStep, RolloutSample, Run, RunState
 from tltweb.runs.uploads import HashedUpload
-from workers.tlt.config import PRESETS, ConfigError, load_config, preset as preset_config
+from workers.tlt.config import PRESETS, ConfigError, TLTConfig, load_config, preset as preset_config
 from workers.tlt.metrics import SAMPLES_KEY  # the series of a step's sample responses (stored in RolloutSample)
+from workers.tlt.paths import PathRoots, config_paths_resolve
+from workers.tlt.train import EXIT_BAD_CONFIG  # light: torch and ray are imported only when training starts
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 8000
 MAX_TAGS = 20
+EXIT_TRAINER_ERROR = 1  # an exception of the trainer's own (the trainer's other exit codes: workers.tlt.train)
 PROGRESS_PHASES = ("policy", "drafter_warmup", "actors", "rl")  # the trainer's, in order
 
 
-class RunStateError(Exception):
-    """An action the run's state does not allow (cancelling a finished run): HTTP 409 in the API."""
+def text_clean(value: str, *, field: str) -> str:
+    """User text without NUL characters (PostgreSQL cannot store them): a 400 naming the field."""
+    if "\x00" in value:
+        raise ValidationError({field: "must not contain NUL characters"})
+    return value
 
 
 def tags_clean(tags: list[str] | str) -> list[str]:
@@ -45,7 +55,7 @@ def tags_clean(tags: list[str] | str) -> list[str]:
         tags = tags.split(",")
     out: list[str] = []
     for tag in tags:
-        tag = str(tag).strip()[:40]
+        tag = text_clean(str(tag), field="tags").strip()[:40]
         if tag and tag not in out:
             out.append(tag)
     if len(out) > MAX_TAGS:
@@ -87,7 +97,11 @@ def run_launch(
             raise ConfigError({"config": "give a preset or a config"})
         config_yaml = preset_yaml(preset)
     cfg = load_config(config_yaml)
-    name = name.strip()[:200] or f"{preset or 'run'} {timezone.now():%Y-%m-%d %H:%M}"
+    config_paths_resolve(cfg, run_path_roots(team=team))  # task.path / model.path inside the allowed roots
+    if settings.TLT_LAUNCH_CHECK_CLUSTER:
+        run_capacity_check(cfg=cfg)
+    name = text_clean(name, field="name").strip()[:200] or f"{preset or 'run'} {timezone.now():%Y-%m-%d %H:%M}"
+    notes = text_clean(notes, field="notes")
     with transaction.atomic():
         run = Run.objects.create(
             team=team,
@@ -102,6 +116,35 @@ def run_launch(
         )
         transaction.on_commit(lambda: _enqueue("run_submit", run.id))
     return run
+
+
+def run_path_roots(*, team: Team) -> PathRoots:
+    """Folders a run of this team may read: task.path in the team's data folder, model.path in the
+    shared models folder or the team's data folder (workers/tlt/paths.py applies them)."""
+    data = Path(settings.TLT_DATA_DIR) / str(team.pk)
+    return PathRoots(data=(data,), models=(Path(settings.TLT_MODELS_DIR), data))
+
+
+def run_capacity_check(*, cfg: TLTConfig) -> None:
+    """ConfigError naming the field when the Ray cluster cannot ever hold the run's rollout workers.
+
+    Asks the cluster (its total CPUs/GPUs over alive nodes) through the dashboard API; when Ray does
+    not answer, says so instead of accepting a run that could not be checked.
+    """
+    try:
+        total = dispatch.cluster_resources()
+    except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
+        raise ConfigError({"cluster": f"the Ray cluster at {settings.RAY_ADDRESS} did not answer ({exc}); "
+                                      "the run's rollout workers cannot be checked, try again when it is up"}) from None
+    workers = cfg.rollout.num_workers
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    gpu = cfg.run.device == "cuda" or cfg.rollout.engine == "vllm"
+    if gpu and workers > gpus:
+        raise ConfigError({"rollout.num_workers": f"{workers} rollout workers need {workers} GPUs (one each); "
+                                                  f"the Ray cluster has {gpus:g} GPUs in all"})
+    if workers > cpus:
+        raise ConfigError({"rollout.num_workers": f"{workers} rollout workers need {workers} CPUs (one each); "
+                                                  f"the Ray cluster has {cpus:g} CPUs in all"})
 
 
 def _enqueue(task_name: str, run_id: uuid.UUID) -> None:
@@ -130,10 +173,10 @@ def run_update(*, run: Run, tags: list[str] | str | None = None, notes: str | No
         run.tags = tags_clean(tags)
         fields.append("tags")
     if notes is not None:
-        run.notes = notes[:20_000]
+        run.notes = text_clean(notes, field="notes")[:20_000]
         fields.append("notes")
     if name is not None and name.strip():
-        run.name = name.strip()[:200]
+        run.name = text_clean(name, field="name").strip()[:200]
         fields.append("name")
     if fields:
         run.save(update_fields=fields)
@@ -149,18 +192,85 @@ def run_cancel(*, run: Run) -> Run:
         run = Run.objects.select_for_update().get(pk=run.pk)
         if run.state not in ACTIVE_STATES:
             raise RunStateError(f"the run is {run.state}: only queued or running runs can be cancelled")
-        run.state = RunState.CANCELLED
-        run.finished_at = timezone.now()
-        run.save(update_fields=["state", "finished_at"])
+        _finish(run, RunState.CANCELLED)
+        run.job_stopped_at = None if run.submitted_at else timezone.now()  # nothing to stop when never submitted
+        run.save(update_fields=["job_stopped_at"])
         transaction.on_commit(lambda: _enqueue("run_cancel", run.id))
     return run
 
 
+def _finish(run: Run, state: str, *, error: str = "", failure: str = "", log_tail: str | None = None) -> None:
+    """Move a locked, active run to a final state and revoke its ingestion token (caller holds the row lock)."""
+    now = timezone.now()
+    run.state = state
+    run.finished_at = now
+    run.error = error[:LOG_TAIL_CHARS]
+    run.failure = failure if state == RunState.FAILED else ""
+    if log_tail is not None:
+        run.log_tail = log_tail
+    run.ingest_token_revoked_at = now  # a finished run's metrics and artifacts are immutable
+    run.save(update_fields=["state", "finished_at", "error", "failure", "log_tail", "ingest_token_revoked_at"])
+
+
+def run_resume(*, run: Run, user: User | None = None) -> Run:
+    """Queue a failed or cancelled run again: its next Ray job runs `--resume` in the same out_dir and
+    continues from the last complete checkpoint. `user` None is the automatic resume (runs_sync).
+
+    Raises PermissionDenied for non-editors and RunStateError when the run cannot be resumed.
+    """
+    if user is not None:
+        _require_role(user, run.team, "edit")
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run.pk)
+        if not run.is_resumable:
+            why = "its Ray job has not confirmed it stopped yet" if run.state == RunState.CANCELLED else (
+                "its config is invalid; launch a corrected copy" if run.state == RunState.FAILED else f"it is {run.state}")
+            raise RunStateError(f"this run cannot be resumed: {why}")
+        _resume(run, by=user.username if user is not None else "auto")
+    return run
+
+
+def _resume(run: Run, *, by: str) -> None:
+    """Archive the attempt that ended and queue the next one (caller holds the row lock)."""
+    run.attempts_log = [*run.attempts_log, {
+        "attempt": run.attempt, "submission_id": run.submission_id, "state": run.state, "failure": run.failure,
+        "error": run.error[:2000], "log_tail": run.log_tail[-2000:],
+        "finished_at": run.finished_at.isoformat() if run.finished_at else None, "resumed_by": by,
+    }]
+    run.attempt += 1
+    if by == "auto":
+        run.auto_resumes += 1
+    run.state = RunState.QUEUED
+    run.queued_at = timezone.now()
+    run.submitted_at = run.finished_at = run.job_stopped_at = None
+    run.error = run.failure = run.log_tail = ""
+    run.progress = {}  # the next attempt reports its own phases (an ETA across the gap would be wrong)
+    run.ingest_token_salt = ""  # the next attempt gets a token of its own at submit
+    run.save()
+    run_id = run.id
+    transaction.on_commit(lambda: _enqueue("run_submit", run_id))
+    log.info("run %s queued for attempt %d (resumed by %s)", run.id, run.attempt, by)
+
+
+def run_token(run: Run) -> str:
+    """The run's current ingestion token, derived from its id, attempt and salt with SECRET_KEY.
+
+    Derived, not stored: a submit that is retried after a crash hands the job exactly the token
+    whose hash was committed before the job existed, so no job is ever left unable to report.
+    """
+    msg = f"tlt-ingest:{run.id}:{run.attempt}:{run.ingest_token_salt}".encode()
+    digest = hmac.new(settings.SECRET_KEY.encode(), msg, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
 def run_token_rotate(*, run: Run) -> str:
-    """A fresh ingestion token for the run; only its hash is kept. Returns the plaintext."""
-    token = secrets.token_urlsafe(32)
-    Run.objects.filter(pk=run.pk).update(ingest_token_hash=token_hash(token))
+    """A fresh ingestion token for the run (new salt); only its hash is kept. Returns the plaintext."""
+    run.ingest_token_salt = secrets.token_hex(16)
+    token = run_token(run)
     run.ingest_token_hash = token_hash(token)
+    run.ingest_token_revoked_at = None
+    Run.objects.filter(pk=run.pk).update(ingest_token_salt=run.ingest_token_salt, ingest_token_hash=run.ingest_token_hash,
+                                         ingest_token_revoked_at=None)
     return token
 
 
@@ -168,43 +278,83 @@ def run_ingest_url(run: Run) -> str:
     return f"{settings.TLT_PUBLIC_URL}/api/ingest/runs/{run.id}/"
 
 
-def run_submit(*, run_id: uuid.UUID | str, client: Any = None) -> str:
-    """Submit the run's Ray job; idempotent (a job with the run's submission id is never resubmitted).
+def run_out_dir(run: Run) -> Path:
+    """The trainer's --out folder: fixed at the first submit (resumes reuse it), one folder per team."""
+    return Path(run.out_dir) if run.out_dir else Path(settings.TLT_RUNS_DIR) / str(run.team_id) / str(run.id)
 
-    Returns what happened: "submitted", "exists" or "skipped" (run gone or no longer queued).
+
+def run_job_env(run: Run, token: str) -> dict[str, str]:
+    """The Ray job's environment: config, ingestion URL and token, allowed path roots, delivery bounds."""
+    return {
+        "TLT_CONFIG": run.config_yaml,
+        "TLT_INGEST_URL": run_ingest_url(run),
+        "TLT_RUN_TOKEN": token,
+        "PYTHONPATH": settings.TLT_JOB_WORKDIR,
+        **run_path_roots(team=run.team).to_env(),
+        "TLT_INGEST_RETRY_S": str(settings.TLT_INGEST_RETRY_S),
+        "TLT_INGEST_MAX_WAIT_S": str(settings.TLT_INGEST_MAX_WAIT_S),
+        "TLT_INGEST_DRAIN_S": str(settings.TLT_INGEST_DRAIN_S),
+        "TLT_INGEST_PAUSE_S": str(settings.TLT_INGEST_PAUSE_S),
+        **run_mlflow_env(run),
+    }
+
+
+def run_submit(*, run_id: uuid.UUID | str, client: Any = None) -> str:
+    """Submit the run's Ray job for its current attempt; idempotent (a job with the attempt's submission
+    id is never submitted twice, and a retried submit gives the job the same token).
+
+    1. Under the row lock, the attempt's token salt (so its hash) is committed, before any job exists.
+    2. The job is submitted outside any transaction; a concurrent or retried submit that finds the job
+       (or loses the race) reports "exists", and the job holds the same derived token either way.
+    3. submitted_at is recorded; a run cancelled meanwhile has its job stopped.
+
+    Returns "submitted", "exists" or "skipped" (run gone or no longer queued).
     """
     with transaction.atomic():
-        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        run = Run.objects.select_for_update().select_related("team").filter(pk=run_id).first()
         if run is None or run.state != RunState.QUEUED:
             return "skipped"
-        client = client or dispatch.ray_client()
-        if run.submitted_at or dispatch.job_info_or_none(client, run.submission_id) is not None:
-            # Already submitted (a retried task): the job holds the token it was given.
-            if not run.submitted_at:
-                run.submitted_at = timezone.now()
-                run.save(update_fields=["submitted_at"])
+        if run.submitted_at:
             return "exists"
-        token = run_token_rotate(run=run)
-        out_dir = Path(settings.TLT_RUNS_DIR) / str(run.id)
+        fields = []
+        if not run.ingest_token_salt:
+            run_token_rotate(run=run)
+        if not run.out_dir:
+            run.out_dir = str(run_out_dir(run))
+            fields.append("out_dir")
+        if fields:
+            run.save(update_fields=fields)
+    attempt = run.attempt
+    client = client or dispatch.ray_client()
+    outcome = "exists"
+    if dispatch.job_info_or_none(client, run.submission_id) is None:
+        out_dir = run_out_dir(run)
         out_dir.mkdir(parents=True, exist_ok=True)
-        client.submit_job(
-            entrypoint=dispatch.job_entrypoint(out_dir=str(out_dir)),
-            submission_id=run.submission_id,
-            runtime_env={
-                "env_vars": {
-                    "TLT_CONFIG": run.config_yaml,
-                    "TLT_INGEST_URL": run_ingest_url(run),
-                    "TLT_RUN_TOKEN": token,
-                    "PYTHONPATH": settings.TLT_JOB_WORKDIR,
-                    **run_mlflow_env(run),
-                }
-            },
-            metadata={"run": str(run.id), "team": str(run.team_id)},
-        )
-        run.submitted_at = timezone.now()
-        run.save(update_fields=["submitted_at"])
-    log.info("submitted run %s as Ray job %s", run.id, run.submission_id)
-    return "submitted"
+        try:
+            client.submit_job(
+                entrypoint=dispatch.job_entrypoint(out_dir=str(out_dir), resume=attempt > 0),
+                submission_id=run.submission_id,
+                runtime_env={"env_vars": run_job_env(run, run_token(run))},
+                metadata={"run": str(run.id), "team": str(run.team_id), "attempt": str(attempt)},
+            )
+            outcome = "submitted"
+        except RuntimeError:
+            if dispatch.job_info_or_none(client, run.submission_id) is None:
+                raise
+            # a concurrent submit of the same attempt won: same token, nothing lost
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run.pk)
+        if run.attempt != attempt:
+            return "skipped"
+        if run.submitted_at is None:
+            run.submitted_at = timezone.now()
+            run.job_stopped_at = None
+            run.save(update_fields=["submitted_at", "job_stopped_at"])
+        cancelled = run.state == RunState.CANCELLED
+    if cancelled:  # cancelled while we submitted: the job must not run on
+        run_stop_job(run_id=run.id, client=client)
+    log.info("run %s attempt %d: Ray job %s %s", run.id, attempt, run.submission_id, outcome)
+    return outcome
 
 
 def run_mlflow_env(run: Run) -> dict[str, str]:
@@ -221,20 +371,49 @@ def run_mlflow_env(run: Run) -> dict[str, str]:
     }
 
 
-def run_stop_job(*, run_id: uuid.UUID | str, client: Any = None) -> None:
-    """Stop the run's Ray job if there is one (the trainer's --out folder and checkpoints stay)."""
+def run_stop_job(*, run_id: uuid.UUID | str, client: Any = None) -> bool:
+    """Stop the run's Ray job if it runs (the trainer's --out folder and checkpoints stay).
+
+    Returns True once Ray confirms the job is not running (then job_stopped_at is set), False while
+    a stop was asked for but not yet confirmed; the Celery task retries, and runs_sync keeps asking
+    for every cancelled run not yet confirmed, so a cancel never leaves a job running.
+    """
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
-        return
+        return True
     client = client or dispatch.ray_client()
     info = dispatch.job_info_or_none(client, run.submission_id)
     if info is not None and dispatch.job_status(info) in {"PENDING", "RUNNING"}:
         client.stop_job(run.submission_id)
-        log.info("stopped Ray job %s", run.submission_id)
+        log.info("asked Ray to stop job %s", run.submission_id)
+        info = dispatch.job_info_or_none(client, run.submission_id)
+        if info is not None and dispatch.job_status(info) in {"PENDING", "RUNNING"}:
+            return False
+    Run.objects.filter(pk=run.pk, job_stopped_at__isnull=True).update(job_stopped_at=timezone.now())
+    return True
+
+
+def _failure_kind(info: Any) -> str:
+    """infra (resumed automatically), trainer or config, from the Ray job's exit code and error type."""
+    if info is None:
+        return Failure.INFRA  # the job vanished: the cluster restarted
+    code = getattr(info, "driver_exit_code", None)
+    if code is None:  # older Ray: read it from the message
+        match = re.search(r"exit code (-?\d+)", getattr(info, "message", "") or "")
+        code = int(match.group(1)) if match else None
+    if code == EXIT_BAD_CONFIG:
+        return Failure.CONFIG
+    if code == EXIT_TRAINER_ERROR:
+        return Failure.TRAINER
+    return Failure.INFRA  # killed (-9, 137), a Ray worker died (69), spool undelivered (75), supervisor/node lost
 
 
 def run_sync_status(*, run: Run, client: Any) -> Run:
-    """Map the Ray job's status onto an active run (and keep the log tail when it ends)."""
+    """Map the Ray job's status onto an active run (and keep the log tail when it ends).
+
+    A job that died of its infrastructure (killed, node or cluster lost) is resumed automatically,
+    at most TLT_AUTO_RESUME_MAX times per run, from its last checkpoint; the attempt is archived.
+    """
     if run.state not in ACTIVE_STATES or not run.submitted_at:
         return run
     info = dispatch.job_info_or_none(client, run.submission_id)
@@ -252,27 +431,32 @@ def run_sync_status(*, run: Run, client: Any) -> Run:
             logs = run_log_save(run=run, text=client.get_job_logs(run.submission_id))
         except Exception as exc:  # logs are a nicety; the state change is not
             log.warning("no logs for %s: %s", run.submission_id, exc)
+    attempt = run.attempt
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=run.pk)
-        if run.state not in ACTIVE_STATES:  # cancelled meanwhile
+        if run.state not in ACTIVE_STATES or run.attempt != attempt:  # cancelled or resumed meanwhile
             return run
-        run.state = state
         if state == RunState.RUNNING:
+            run.state = state
             run.started_at = run.started_at or now
-        else:
-            run.finished_at = now
-            run.error = error[:LOG_TAIL_CHARS]
-            run.log_tail = logs
-        run.save(update_fields=["state", "started_at", "finished_at", "error", "log_tail"])
+            run.save(update_fields=["state", "started_at"])
+            return run
+        failure = _failure_kind(info) if state == RunState.FAILED else ""
+        _finish(run, state, error=error, failure=failure, log_tail=logs)
+        if failure == Failure.INFRA and run.auto_resumes < settings.TLT_AUTO_RESUME_MAX:
+            _resume(run, by="auto")
     return run
 
 
-def runs_sync(*, client: Any = None, resubmit_after_s: int = 120) -> int:
-    """Sync every active run; re-enqueue submits that never happened (a lost task). Returns runs checked."""
+def runs_sync(*, client: Any = None, resubmit_after_s: int | None = None) -> int:
+    """Sync every active run; re-enqueue submits that never happened (a lost task); keep stopping the
+    jobs of cancelled runs until Ray confirms. Returns the active runs checked."""
+    resubmit_after_s = settings.TLT_RESUBMIT_AFTER_S if resubmit_after_s is None else resubmit_after_s
     active = list(Run.objects.filter(state__in=ACTIVE_STATES))
-    if not active:
+    stopping = list(Run.objects.filter(state=RunState.CANCELLED, job_stopped_at__isnull=True).values_list("pk", flat=True))
+    if not active and not stopping:
         return 0
-    if client is None and any(run.submitted_at for run in active):
+    if client is None and (stopping or any(run.submitted_at for run in active)):
         try:
             client = dispatch.ray_client()
         except (ConnectionError, RuntimeError, OSError) as exc:  # Ray down: runs keep their state
@@ -283,25 +467,52 @@ def runs_sync(*, client: Any = None, resubmit_after_s: int = 120) -> int:
                 run_sync_status(run=run, client=client)
             except Exception:
                 log.exception("sync of run %s failed", run.id)
-        elif (timezone.now() - run.created_at).total_seconds() > resubmit_after_s:
+        elif not run.submitted_at and (timezone.now() - run.queued_at).total_seconds() > resubmit_after_s:
             _enqueue("run_submit", run.id)
+    for run_id in stopping if client is not None else ():
+        try:
+            run_stop_job(run_id=run_id, client=client)
+        except Exception:
+            log.exception("stopping the job of cancelled run %s failed", run_id)
     return len(active)
+
+
+def _json_clean(value: Any) -> Any:
+    """NUL characters replaced (PostgreSQL's JSON cannot hold U+0000): a decoded sample may contain one."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_json_clean(str(k)): _json_clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_clean(v) for v in value]
+    return value
+
+
+def _require_active(run: Run) -> None:
+    if run.state not in ACTIVE_STATES:
+        raise RunFinished(f"this run has ended ({run.state}): its metrics and artifacts are immutable")
 
 
 def metrics_record(*, run: Run, step: int, scalars: dict[str, float], series: dict[str, Any]) -> MetricStep:
     """Upsert one step's record (a retried post replaces it); a queued run becomes running.
 
     The step's sample responses (series "rollout/samples") go to their own table (RolloutSample).
+    Raises RunFinished when the run has reached a final state (checked under the row lock that
+    state changes take too, so no record lands after the run ended).
     """
-    samples = series.get(SAMPLES_KEY)
-    series = {k: v for k, v in series.items() if k != SAMPLES_KEY}
-    row, _ = MetricStep.objects.update_or_create(run=run, step=step, defaults={"scalars": scalars, "series": series})
-    if samples is not None:
-        rollout_samples_store(run=run, step=step, samples=samples)
-    if run.state == RunState.QUEUED:
-        Run.objects.filter(pk=run.pk, state=RunState.QUEUED).update(
-            state=RunState.RUNNING, started_at=timezone.now()
+    series = _json_clean(series)
+    samples = series.pop(SAMPLES_KEY, None)
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        _require_active(locked)
+        row, _ = MetricStep.objects.update_or_create(
+            run=locked, step=step, defaults={"scalars": _json_clean(scalars), "series": series}
         )
+        if samples is not None:
+            rollout_samples_store(run=locked, step=step, samples=samples)
+        if locked.state == RunState.QUEUED:
+            locked.state, locked.started_at = RunState.RUNNING, locked.started_at or timezone.now()
+            locked.save(update_fields=["state", "started_at"])
     return row
 
 
@@ -326,6 +537,7 @@ def rollout_samples_store(*, run: Run, step: int, samples: list[dict[str, Any]])
 
 def run_progress_record(*, run: Run, phase: str, done: int, total: int, message: str = "") -> dict[str, Any]:
     """Keep the trainer's latest progress on the run; a queued run becomes running.
+    Raises RunFinished for a run that has reached a final state.
 
     A new phase (or a phase that starts over) notes when and where it began, so the selectors can
     derive the rate and the ETA; the phase it replaces is kept in `history` with its duration.
@@ -333,6 +545,7 @@ def run_progress_record(*, run: Run, phase: str, done: int, total: int, message:
     now = timezone.now()
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
+        _require_active(locked)  # RunFinished: an ended run's page keeps what it showed
         prev = locked.progress or {}
         history = list(prev.get("history", []))
         same_phase = prev.get("phase") == phase and done >= int(prev.get("done", 0))
@@ -378,16 +591,29 @@ def artifact_folder(run: Run) -> Path:
     return Path(settings.TLT_ARTIFACT_DIR) / str(run.team_id) / str(run.id)
 
 
-def artifact_store(*, run: Run, kind: str, step: int, upload: Any, filename: str = "") -> Artifact:
+def artifact_store(
+    *,
+    run: Run,
+    kind: str,
+    step: int,
+    upload: Any,
+    filename: str = "",
+    expected_size: int | None = None,
+    expected_sha256: str | None = None,
+) -> Artifact:
     """Store an uploaded file under TLT_ARTIFACT_DIR with its size and SHA-256; idempotent per (run, kind, step).
 
     `upload` is either a HashedUpload (already streamed into the run's folder and hashed by
     HashingUploadHandler: it is only renamed) or any file-like object, copied in chunks while hashing.
+    With `expected_size`/`expected_sha256` (what the sender measured), a file that differs is refused
+    with a ValidationError and nothing is stored: a cut-short upload is retried, never kept half.
+    The file gets a name of its own (kind, step, hash), so replacing an artifact never overwrites a
+    file that another row or a download in progress still reads. Raises RunFinished for a run that ended.
     """
     folder = artifact_folder(run)
     folder.mkdir(parents=True, exist_ok=True)
     filename = Path(filename or getattr(upload, "name", "") or f"{kind}.bin").name or f"{kind}.bin"
-    final = folder / f"{kind}-step{step:06d}-{filename}"
+    filename = re.sub(r"[^A-Za-z0-9._-]", "_", filename)[:200]
     if isinstance(upload, HashedUpload):
         tmp, size, sha256 = upload.path, upload.size, upload.sha256
     else:
@@ -406,15 +632,32 @@ def artifact_store(*, run: Run, kind: str, step: int, upload: Any, filename: str
             tmp.unlink(missing_ok=True)
             raise
         sha256 = digest.hexdigest()
-    Path(tmp).replace(final)
-    rel = final.relative_to(Path(settings.TLT_ARTIFACT_DIR))
     try:
-        artifact, _ = Artifact.objects.update_or_create(
-            run=run, kind=kind, step=step,
-            defaults={"filename": filename, "path": str(rel), "size": size, "sha256": sha256},
-        )
-    except IntegrityError:  # a concurrent retry of the same upload won the race; same content
-        artifact = Artifact.objects.get(run=run, kind=kind, step=step)
+        if (expected_size is not None and size != expected_size) or (
+            expected_sha256 is not None and sha256 != expected_sha256.lower()
+        ):
+            raise ValidationError({"file": f"received {size} bytes with sha256 {sha256}, but the sender sent "
+                                           f"{expected_size} bytes with sha256 {expected_sha256}: nothing stored"})
+        final = folder / f"{kind}-step{step:06d}-{sha256[:12]}-{filename}"
+        rel = str(final.relative_to(Path(settings.TLT_ARTIFACT_DIR)))
+        with transaction.atomic():
+            locked = Run.objects.select_for_update().get(pk=run.pk)
+            _require_active(locked)
+            Path(tmp).replace(final)
+            old = Artifact.objects.filter(run=locked, kind=kind, step=step).first()
+            try:
+                with transaction.atomic():
+                    artifact, _ = Artifact.objects.update_or_create(
+                        run=locked, kind=kind, step=step,
+                        defaults={"filename": filename, "path": rel, "size": size, "sha256": sha256},
+                    )
+            except IntegrityError:  # a concurrent retry of the same upload won the race; same content
+                artifact = Artifact.objects.get(run=locked, kind=kind, step=step)
+            if old is not None and old.path != artifact.path:
+                stale = Path(settings.TLT_ARTIFACT_DIR) / old.path
+                transaction.on_commit(lambda: stale.unlink(missing_ok=True))
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # renamed on success; removed on any refusal
     return artifact
 
 
@@ -430,6 +673,8 @@ def run_files_delete(*, run: Run) -> None:
 
 
 def run_fail(*, run_id: uuid.UUID | str, error: str) -> None:
-    Run.objects.filter(pk=run_id, state__in=ACTIVE_STATES).update(
-        state=RunState.FAILED, error=error[:LOG_TAIL_CHARS], finished_at=timezone.now()
-    )
+    """Mark an active run failed before it ran (its job was never taken by Ray); resumable on a click."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(pk=run_id, state__in=ACTIVE_STATES).first()
+        if run is not None:
+            _finish(run, RunState.FAILED, error=error, failure=Failure.SUBMIT)

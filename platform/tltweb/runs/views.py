@@ -146,6 +146,18 @@ def run_cancel(request: HttpRequest, run_id: str) -> HttpResponse:
 
 @login_required
 @require_POST
+def run_resume(request: HttpRequest, run_id: str) -> HttpResponse:
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
+    try:
+        run = services.run_resume(run=run, user=request.user)
+        messages.success(request, f"Resuming from the last checkpoint (attempt {run.attempt + 1}).")
+    except services.RunStateError as exc:
+        messages.error(request, f"Not resumed: {exc}.")
+    return redirect("run-detail", run_id=run.id)
+
+
+@login_required
+@require_POST
 def run_clone(request: HttpRequest, run_id: str) -> HttpResponse:
     run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
     clone = services.run_clone(user=request.user, run=run)
