@@ -102,3 +102,24 @@ def test_zips_are_flat_and_reproducible(tmp_path):
     with zipfile.ZipFile(a) as zf:
         assert sorted(zf.namelist()) == ["config.json", "model.safetensors"]
         assert zf.read("config.json") == (folder / "config.json").read_bytes()
+
+
+def test_the_model_card_identifies_the_target_and_says_how_to_serve_the_drafter(tmp_path):
+    from workers.tlt.export import model_card
+
+    policy = target()
+    export_policy(policy, tmp_path / "policy")
+    (tmp_path / "policy" / "tokenizer.json").write_text("{}")
+    card = model_card(target_name="tiny", target_dir=tmp_path / "policy", rl_step=4, training_tokens=1234, depth=6,
+                      acceptance_length=3.5, heldout_prompts=2)
+    folder = export_drafter(Drafter.for_target(policy, seed=1), tmp_path / "d", card=card)
+    assert json.loads((folder / "model_card.json").read_text()) == card
+    assert card["vllm_speculative_config"] == {"method": "eagle", "model": "<this folder>", "num_speculative_tokens": 6}
+    assert card["sglang_args"][card["sglang_args"].index("--speculative-num-draft-tokens") + 1] == "7"
+    assert len(card["target_sha256"]) == 64 and card["tokenizer_sha256"] is not None
+    other = target()
+    with torch.no_grad():
+        other.lm_head.weight.add_(1.0)
+    export_policy(other, tmp_path / "other")
+    assert model_card(target_name="tiny", target_dir=tmp_path / "other", rl_step=4, training_tokens=1, depth=6)[
+        "target_sha256"] != card["target_sha256"]  # another policy, another hash

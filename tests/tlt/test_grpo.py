@@ -212,3 +212,17 @@ def test_it_reports_the_mismatch_between_rollout_and_learner_logprobs():
     scored_tokens = sum(len(r) for r in batch.responses[:3])  # only group 0 has an advantage
     assert m["rollout/logprob_mismatch"] == pytest.approx(0.5 + 1.0 / scored_tokens, abs=1e-4)
     assert m["rollout/logprob_mismatch_max"] == pytest.approx(1.5, abs=1e-4)
+
+
+def test_the_step_bins_the_log_prob_mismatch_for_the_audit():
+    from workers.tlt.audit import MISMATCH_EDGES
+
+    policy = tiny_policy()
+    batch = with_rollout_logprobs(make_batch(), policy)
+    batch.rollout_logprobs[0][0] += 0.5  # one token 0.5 off, the rest ~rounding
+    learner = GRPOLearner(policy, GRPOSection(), pad_id=0)
+    learner.step(batch)
+    h = learner.last_mismatch_hist
+    assert len(h["counts"]) == len(MISMATCH_EDGES) - 1 and h["edges"][-1] is None
+    assert sum(h["counts"]) == sum(len(r) for r in batch.responses[:3])  # the rows the learner ran
+    assert h["counts"][MISMATCH_EDGES.index(0.1)] == 1  # 0.1 <= 0.5 < 1

@@ -292,3 +292,22 @@ def test_sd_on_real_size_layers_and_packed_kernels_emits_the_plain_decoding_toke
                        drafter=noisy if kind == "noisy" else drafter, spec=SpecPolicy(arm=arm))
         assert res.tokens == base.tokens, (arm, kind, batch)
         assert res.metrics.verify_passes > 0
+
+
+def test_the_tail_share_and_the_arm_timeline_are_measured_and_merge_per_worker(model, drafters):
+    from workers.tlt.rollout import RolloutMetrics
+
+    res = generate(model, _prompts(8), GREEDY, max_new_tokens=24, eos_ids=EOS, drafter=drafters["noisy"],
+                   spec=SpecPolicy(threshold=4, epsilon=0.0))
+    m = res.metrics
+    assert 0.0 <= m.tail_time_frac < 1.0 and "rollout/tail_time_frac" in m.scalars()
+    (timeline,) = m.arm_timeline
+    assert timeline[0][1] == "off" and len({a for _, a in timeline}) > 1  # off in the bulk, arms in the tail
+    assert all(t1 <= t2 for (t1, _), (t2, _) in zip(timeline, timeline[1:]))
+    merged = RolloutMetrics.merge([RolloutMetrics.from_dict(m.to_dict())] * 2, [0.0, 1.5])
+    assert [w[0][0] for w in merged.arm_timeline] == pytest.approx([timeline[0][0], timeline[0][0] + 1.5], abs=1e-5)
+    series = merged.series()["spec/arm_timeline"]
+    assert [w["worker"] for w in series] == [0, 1] and series[0]["arm"] == [a for _, a in timeline]
+    # hand-made curve: 10 responses, the 9th finishes at 2 s of 10 s: the tail is 80% of the time
+    hand = RolloutMetrics(wall_s=10.0, lengths=[1] * 10, running=[(0.0, 10, False), (1.0, 5, False), (2.0, 1, True)])
+    assert hand.tail_time_frac == pytest.approx(0.8)

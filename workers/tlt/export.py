@@ -30,6 +30,7 @@ tokenizer files copied from the source folder (or a `tokenizers.Tokenizer` saved
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -80,8 +81,46 @@ def _write_atomic(folder: Path, write) -> Path:
     return folder
 
 
-def export_drafter(drafter: Drafter, folder: str | Path) -> Path:
-    """Write `drafter` as an EAGLE folder (format in the module doc); returns the folder."""
+def file_sha256(paths) -> str:
+    """sha256 over the bytes of `paths` in order (hex)."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def model_card(*, target_name: str, target_dir: str | Path, rl_step: int, training_tokens: int, depth: int,
+               acceptance_length: float | None = None, heldout_prompts: int = 0) -> dict:
+    """What a drafter version is and how to serve it (the registry's model card, model_card.json).
+
+    target_dir: the policy folder this drafter was trained for (its weights' and tokenizer's
+    sha256 identify it); depth: the draft length to serve it with (the run's longest chain arm);
+    acceptance_length: tokens per verify pass our engine measured on held-out prompts at export.
+    """
+    target_dir = Path(target_dir)
+    tokenizer = target_dir / "tokenizer.json"
+    path = "<this folder>"
+    return {
+        "format": "eagle",
+        "target_model": target_name,
+        "target_sha256": file_sha256(sorted(target_dir.glob("*.safetensors"))),
+        "tokenizer_sha256": file_sha256([tokenizer]) if tokenizer.is_file() else None,
+        "rl_step": int(rl_step),
+        "training_tokens": int(training_tokens),
+        "acceptance_length": acceptance_length,
+        "heldout_prompts": int(heldout_prompts),
+        "vllm_speculative_config": {"method": "eagle", "model": path, "num_speculative_tokens": int(depth)},
+        "sglang_args": ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", path,
+                        "--speculative-num-steps", str(depth), "--speculative-eagle-topk", "1",
+                        "--speculative-num-draft-tokens", str(depth + 1)],
+    }
+
+
+def export_drafter(drafter: Drafter, folder: str | Path, card: dict | None = None) -> Path:
+    """Write `drafter` as an EAGLE folder (format in the module doc), with its model card as
+    model_card.json when given; returns the folder."""
     folder = Path(folder)
     cfg = drafter.config
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.weights.items()}
@@ -98,6 +137,8 @@ def export_drafter(drafter: Drafter, folder: str | Path) -> Path:
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        if card is not None:
+            (tmp / "model_card.json").write_text(json.dumps(card, indent=2))
 
     return _write_atomic(folder, write)
 

@@ -127,6 +127,7 @@ class _MismatchAudit:
         self.rollout = rollout_logprobs
         self.total = self.max = 0.0
         self.count = 0
+        self.deltas: list[Tensor] = []
 
     def add(self, rows: list[int], learner_lp: Tensor) -> None:
         if self.rollout is None or not rows:
@@ -137,10 +138,16 @@ class _MismatchAudit:
             self.total += float(d.sum())
             self.max = max(self.max, float(d.max()))
             self.count += d.numel()
+            self.deltas.append(d)
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/logprob_mismatch": self.total / self.count if self.count else 0.0,
                 "rollout/logprob_mismatch_max": self.max}
+
+    def histogram(self) -> dict[str, list]:
+        from .audit import mismatch_histogram
+
+        return mismatch_histogram(torch.cat(self.deltas) if self.deltas else torch.empty(0))
 
 
 class GRPOLearner:
@@ -153,6 +160,7 @@ class GRPOLearner:
         self.pad_id = pad_id
         self.sampling = sampling
         self.last_hidden: list[Tensor] | None = None  # see step(harvest_hidden=True)
+        self.last_mismatch_hist: dict[str, list] = {}  # audit.mismatch_histogram of the last step
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.ref: Transformer | None = None
@@ -251,6 +259,7 @@ class GRPOLearner:
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.eval()
         self.last_hidden = [hidden_by_row[r] for r in range(n_rows)] if harvest_hidden else None
+        self.last_mismatch_hist = audit.histogram()  # the step's series rollout/logprob_mismatch_hist
         total_tokens = float(sum(len(r) for r in batch.responses))
         return {
             "learner/loss": loss_sum / len(groups),

@@ -49,6 +49,7 @@ SCALAR_KEYS = {
     "rollout/tail_tokens_per_s_sd": "tokens/s while SD was on (tail)",
     "rollout/tail_tokens_per_s_no_sd": "tokens/s in the tail with SD off (baseline runs, or before the switch)",
     "rollout/logprob_mismatch": "mean |rollout log-prob - learner log-prob| per token, on the rows the learner ran",
+    "rollout/tail_time_frac": "share of the rollout's wall time after 90% of the responses had finished",
     "spec/acceptance_length": "tokens emitted per verify pass while SD was on",
     "spec/switch_on_s": "seconds into the rollout when SD first switched on (-1: never)",
     "drafter/loss": "spot-training loss (last window)",
@@ -78,6 +79,9 @@ SERIES_KEYS = {
     "rollout/running": "{t: [s], running: [int], sd: [0|1]}: running sequences over rollout time",
     "spec/accept_by_position": "list[float]: acceptance rate at draft position 1..depth",
     "spec/strategy": "{bucket label: {arm label: times chosen}}",
+    "rollout/prompt_lengths": "[{prompt: text hash, text, lengths: [int]}]: each prompt's sample lengths",
+    "rollout/logprob_mismatch_hist": "{edges: [0, 1e-7, ..., 10, None], counts}: |rollout - learner log-prob| per token",
+    "spec/arm_timeline": "[{worker, t: [s], arm: [label]}]: the SD arm in force over rollout time (at each change)",
     "idle/timeline": "[{worker: int, segments: [[kind, start_s, end_s]]}], kind in generate|idle|drafter",
     "rollout/samples": "[{sample, prompt, tokens: [str], from_draft: [0|1], reward, length, truncated}]: "
                        "a few of the step's responses (samples.py)",

@@ -162,6 +162,8 @@ class RolloutMetrics:
     tail_s_no_sd: float = 0.0
     tail_wall_s: float = 0.0  # decode time in the tail (merged: the longest worker's)
     draft_vocab_coverage: float = -1.0  # share of emitted tokens inside the reduced draft vocabulary (-1: none)
+    # the arm in force over rollout time, [[t_s, arm label], ...] at each change, one list per worker
+    arm_timeline: list[list[tuple[float, str]]] = field(default_factory=lambda: [[]])
 
     def count_tail(self, emitted: int, seconds: float, sd_on: bool, bucket: str = "", arm: str = "") -> None:
         """Book one decode/verify step taken in the tail (running <= threshold)."""
@@ -202,10 +204,20 @@ class RolloutMetrics:
     def switch_on_s(self) -> float:
         return next((t for t, on in self.sd_switches if on), -1.0)
 
+    @property
+    def tail_time_frac(self) -> float:
+        """Share of the rollout's wall time after 90% of its responses had finished (the long tail)."""
+        n = len(self.lengths)
+        if not n or not self.wall_s:
+            return 0.0
+        t90 = next((t for t, running, _ in self.running if running <= n - int(0.9 * n)), self.wall_s)
+        return max(0.0, self.wall_s - t90) / self.wall_s
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["running"] = [[round(t, 6), r, bool(s)] for t, r, s in self.running]
         d["sd_switches"] = [[round(t, 6), bool(s)] for t, s in self.sd_switches]
+        d["arm_timeline"] = [[[round(t, 6), a] for t, a in w] for w in self.arm_timeline]
         return d
 
     @classmethod
@@ -214,6 +226,7 @@ class RolloutMetrics:
         m = cls(**{k: v for k, v in d.items() if k in known})
         m.running = [(float(t), int(r), bool(sd)) for t, r, sd in m.running]
         m.sd_switches = [(float(t), bool(on)) for t, on in m.sd_switches]
+        m.arm_timeline = [[(float(t), str(a)) for t, a in w] for w in m.arm_timeline]
         return m
 
     @classmethod
@@ -250,6 +263,7 @@ class RolloutMetrics:
         if covered:
             m.draft_vocab_coverage = sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered))
         m.sd_switches = sorted((t + off, on) for p, off in zip(parts, offsets) for t, on in p.sd_switches)
+        m.arm_timeline = [[(t + off, a) for t, a in w] for p, off in zip(parts, offsets) for w in p.arm_timeline]
         curves = [([t + off for t, _, _ in p.running], [r for _, r, _ in p.running], [sd for _, _, sd in p.running])
                   for p, off in zip(parts, offsets) if p.running]
         for t in sorted({t for ts, _, _ in curves for t in ts}):
@@ -269,6 +283,7 @@ class RolloutMetrics:
             "rollout/tail_s": self.tail_wall_s,
             "spec/verify_passes": float(self.verify_passes),
             "spec/switch_on_s": self.switch_on_s,
+            "rollout/tail_time_frac": self.tail_time_frac,
         }
         if self.tail_s_sd:
             out["rollout/tail_tokens_per_s_sd"] = self.tail_tokens_per_s_sd
@@ -287,6 +302,8 @@ class RolloutMetrics:
                                 "sd": [int(s) for _, _, s in self.running]},
             "spec/accept_by_position": self.accept_by_position,
             "spec/strategy": self.strategy,
+            "spec/arm_timeline": [{"worker": i, "t": [round(t, 4) for t, _ in w], "arm": [a for _, a in w]}
+                                  for i, w in enumerate(self.arm_timeline)],
         }
 
 
@@ -458,6 +475,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             arm = arms[bandit.select(live)]  # a forced arm is the bandit's only arm
         sd_on = arm.label != OFF
         now = t_step - t0
+        if not m.arm_timeline[0] or m.arm_timeline[0][-1][1] != arm.label:
+            m.arm_timeline[0].append((now, arm.label))
         if sd_on != sd_prev:
             m.sd_switches.append((now, sd_on))
             sd_prev = sd_on

@@ -50,3 +50,17 @@ def step_samples(prompts: Sequence[str], tokens: Sequence[Sequence[int]], from_d
                     "from_draft": [int(f) for f in flags], "reward": float(rewards[i]), "length": len(tokens[i]),
                     "truncated": not finished[i]})
     return out
+
+
+def prompt_lengths(prompts: Sequence[str], lengths: Sequence[int], group_size: int) -> list[dict]:
+    """Per prompt of the step (groups of `group_size` consecutive samples): a stable id (the text's
+    hash, so a prompt is recognised across steps), the start of its text and its samples' lengths;
+    series `rollout/prompt_lengths`, from which the platform finds the prompts that run longest."""
+    import hashlib
+
+    out = []
+    for g in range(0, len(lengths), group_size):
+        text = prompts[g]
+        out.append({"prompt": hashlib.sha1(text.encode()).hexdigest()[:12], "text": text[:160],
+                    "lengths": [int(n) for n in lengths[g:g + group_size]]})
+    return out

@@ -46,7 +46,7 @@ from .metrics import Tracking
 from .model import Transformer
 from .policies import prepare_policy_folder
 from .rollout import RolloutMetrics
-from .samples import step_samples
+from .samples import prompt_lengths, step_samples
 from .sampling import sampling_params
 
 log = logging.getLogger(__name__)
@@ -403,7 +403,10 @@ class Trainer:
         series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series,
                   "rollout/samples": step_samples([prompts[i // n].text for i in range(len(tokens))], tokens,
                                                   from_draft, rewards, hit_eos, self._decode_token, step=step,
-                                                  seed=cfg.run.seed)}
+                                                  seed=cfg.run.seed),
+                  "rollout/prompt_lengths": prompt_lengths([prompts[i // n].text for i in range(len(tokens))],
+                                                           lengths, n),
+                  "rollout/logprob_mismatch_hist": self.learner.last_mismatch_hist}
 
         self.tracking.log(step, scalars, series)
         self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
