@@ -38,6 +38,10 @@ class RunSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models run; auto picks cuda when present.")
     checkpoint_interval: int = Field(0, ge=0, description="Write a checkpoint every N steps (0: only at the end).")
     tlt: bool = Field(True, description="TLT on: speculative tail + spot drafter training. Off: the plain baseline.")
+    audit_prompts: int = Field(2, ge=0, le=64, description=(
+        "Held-out prompts decoded greedily with SD and without at each checkpoint (TLT runs; 0: no audit): "
+        "audit/greedy_identical below 1 is a losslessness failure."))
+    audit_max_new_tokens: int = Field(64, ge=1, le=4096, description="Tokens per audit prompt.")
 
 
 class ModelSection(_Section):
