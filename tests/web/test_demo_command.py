@@ -13,7 +13,7 @@ def test_tlt_demo_creates_the_user_team_and_run_once(db):
     call_command("tlt_demo", stdout=second)
     assert "demo login" in first.getvalue() and "demo login" not in second.getvalue()
     run = Run.objects.get()
-    assert run.preset == "tiny-cpu" and run.team.name == "Demo team" and run.creator.username == "demo"
+    assert run.preset == "smollm2-mathmix-cpu" and run.team.name == "Demo team" and run.creator.username == "demo"
 
 
 def test_tlt_demo_still_creates_the_login_when_ray_does_not_answer(db, settings):
