@@ -225,10 +225,6 @@ def metrics_series(*, run: Run, step: int) -> dict[str, Any] | None:
     return row
 
 
-def metrics_steps(*, run: Run) -> list[int]:
-    return list(MetricStep.objects.filter(run=run).order_by("step").values_list("step", flat=True))
-
-
 def rollout_sample_steps(*, run: Run) -> list[int]:
     """Steps that have stored sample responses, in order."""
     return list(RolloutSample.objects.filter(run=run).order_by("step").values_list("step", flat=True).distinct())
