@@ -34,6 +34,9 @@ PAGES = [
     ("run-resume", "post", "editor"),
     ("run-log", "get", "viewer"),
     ("run-samples", "get", "viewer"),
+    ("run-ab-launch", "post", "editor"),
+    ("run-pair", "get", "viewer"),
+    ("run-drafter-latest", "get", "viewer"),
 ]
 API = [
     ("api-run", "get", "viewer"),
@@ -47,12 +50,16 @@ API = [
     ("api-run-resume", "post", "editor"),
     ("api-run-log", "get", "viewer"),
     ("api-run-samples", "get", "viewer"),
+    ("api-run-ab-launch", "post", "editor"),
+    ("api-run-pair", "get", "viewer"),
+    ("api-run-drafters", "get", "viewer"),
+    ("api-run-drafter-latest", "get", "viewer"),
 ]
 RANK = {"viewer": 1, "editor": 2, "owner": 3}
 
 
 def _url(name, run, artifact):
-    if "download" in name:
+    if "artifact-download" in name:
         return reverse(name, args=[run.id, artifact.pk])
     if name == "api-run-metrics-step":
         return reverse(name, args=[run.id, 0])
@@ -60,11 +67,16 @@ def _url(name, run, artifact):
 
 
 def _prepare(name, run) -> None:
-    """Resume needs a run that ended; everything else works on the queued run."""
+    """Resume needs a run that ended, the pair page a partner; everything else works on the queued run."""
     from tltweb.runs.models import Run
 
     if name.endswith("run-resume"):
         Run.objects.filter(pk=run.pk).update(state="failed", failure="infra")
+    if name.endswith("run-pair"):  # a pair to look at: the run's baseline control
+        from tests.conftest import run_make
+
+        cfg = dict(run.config, run={**run.config["run"], "tlt": False})
+        run_make(run.team, run.creator, name="control", config=cfg, ab_partner=run)
 
 
 def _call(client, method, url, **headers):
