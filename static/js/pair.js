@@ -11,6 +11,11 @@
 
   function ratio(v) { return v === null || v === undefined ? "—" : v.toFixed(2) + "×"; }
   function pct(v) { return v === null || v === undefined ? "—" : Math.round(100 * v) + "%"; }
+  function sci(v) { return v === null || v === undefined ? "—" : v.toExponential(2); }
+  function state(id, s) {
+    var el = document.querySelector("#" + id + " .state");
+    if (el) { el.className = "state state-" + s; el.textContent = s.charAt(0).toUpperCase() + s.slice(1); }
+  }
   function set(id, text) { var el = document.getElementById(id); if (el) el.textContent = text; }
 
   function traces(data, key, xkey) {
@@ -28,11 +33,17 @@
         Plotly.react("chart-pair-" + m[0] + "-" + x, traces(data, m[0], xkey), {
           title: { text: m[1] + (x === "step" ? " by step" : " by wall-clock"), font: { size: 14 } },
           margin: { t: 44, r: 30, b: 70, l: 50 }, legend: { orientation: "h", y: -0.3 }, font: { size: 11 },
-          xaxis: { title: { text: x === "step" ? "step" : "seconds of training" } }
+          xaxis: x === "step" ? { title: { text: "step" }, dtick: data.tlt.step.length <= 12 ? 1 : undefined }
+            : { title: { text: "seconds of training" } }
         }, CONFIG);
       });
     });
     set("fig-e2e", ratio(data.e2e_speedup));
+    set("fig-steps", String(data.steps_compared));
+    set("fig-mismatch-tlt", sci(data.logprob_mismatch_max.tlt));
+    set("fig-mismatch-base", sci(data.logprob_mismatch_max.baseline));
+    state("pair-tlt-state", data.tlt.state);
+    state("pair-base-state", data.baseline.state);
     set("fig-rollout", ratio(data.rollout_speedup));
     set("fig-bound", ratio(data.amdahl_bound));
     set("fig-share", pct(data.rollout_share));

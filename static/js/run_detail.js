@@ -54,7 +54,7 @@
   function drawOverSteps() {
     draw("chart-reward", [line("reward/mean", "reward"), line("reward/accuracy", "accuracy")], layout("Reward & accuracy"));
     draw("chart-mismatch", [line("rollout/logprob_mismatch", "mean |Δ log-prob|"), line("rollout/logprob_mismatch_max", "max |Δ log-prob|")],
-      layout("Rollout vs learner log-prob mismatch", { yaxis: { type: "log", title: { text: "|Δ log-prob|" } } }));
+      layout("Rollout vs learner log-prob mismatch", { yaxis: { title: { text: "|Δ log-prob|" }, exponentformat: "e" } }));
     draw("chart-audit", [line("audit/greedy_identical", "greedy SD = plain", { line: { shape: "hv" } }),
       line("audit/acceptance_length", "acceptance on held-out prompts", { yaxis: "y2" })],
       layout("Greedy spot check at checkpoints", { yaxis: { range: [0, 1.05], title: { text: "share identical" } },

@@ -37,3 +37,9 @@ def pretty_json(value) -> str:
 def ratio(value: float | None, digits: int = 2) -> str:
     """1.734 -> "1.73×"; None -> "—" (not measured yet)."""
     return "—" if value is None else f"{float(value):.{int(digits)}f}×"
+
+
+@register.filter
+def sci(value: float | None) -> str:
+    """1.67e-06 for tiny figures like a log-prob mismatch; None -> "—"."""
+    return "—" if value is None else f"{float(value):.2e}"
