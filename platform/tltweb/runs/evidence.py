@@ -17,6 +17,7 @@ from django.contrib.auth.models import User
 from django.http import Http404
 
 from tltweb.accounts.models import Member, Team
+from tltweb.accounts.selectors import team_get_for_user
 from tltweb.runs.models import Artifact, MetricStep, Run, RunAlert
 from tltweb.runs.selectors import run_get_for_user
 
@@ -213,16 +214,14 @@ def base_model(run: Run, card: dict[str, Any] | None) -> str:
 def team_drafters_for_user(*, user: User, team_id: int) -> tuple[Team, list[dict[str, Any]]]:
     """The team's drafter versions by base model: [{base_model, versions: [{run, version...}]}],
     each base model's newest version first. 404 for non-members."""
-    member = Member.objects.select_related("team").filter(user=user, team_id=team_id).first() if user.is_authenticated else None
-    if member is None:
-        raise Http404("no such team")
+    team, _ = team_get_for_user(user=user, team_id=team_id, need="view")
     groups: dict[str, list[dict[str, Any]]] = {}
     for run in Run.objects.filter(team_id=team_id, artifacts__kind="drafter").distinct().order_by("-created_at"):
         for v in drafter_versions(run=run):
             groups.setdefault(base_model(run, v["model_card"]), []).append({**v, "run": run})
     out = [{"base_model": name, "versions": sorted(vs, key=lambda v: v["artifact"].created_at, reverse=True)}
            for name, vs in sorted(groups.items())]
-    return member.team, out
+    return team, out
 
 
 # ---- long-tail analytics ----
