@@ -12,6 +12,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.conftest import PASSWORD
+from tests.web.test_evidence import _Hook, hook  # noqa: F401  (hook: a real local webhook receiver)
 from tests.web.test_integration_run import TINY_SHORT, _diagnose, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -50,7 +51,7 @@ def wait_run_end(run_id, celery, timeout=540):
 
 
 def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
-    settings, celery_worker_proc, live_server, page, browser, screenshots
+    settings, celery_worker_proc, live_server, page, browser, screenshots, hook
 ):
     from django.contrib.auth.models import User
 
@@ -64,6 +65,8 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     team = team_create(name="Alice's lab", owner=alice)
     bob = User.objects.create_user("bob", password=PASSWORD)
     member_add(team, bob, "viewer")
+    team.alert_webhook_url = f"http://127.0.0.1:{hook.server_port}/tlt-alerts"  # posted by the real Celery worker
+    team.save()
 
     base = live_server.url
     page.set_default_timeout(120_000)  # a real trainer shares the 2 cores; nothing here checks a timing
@@ -81,6 +84,9 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     alert = RunAlert.objects.filter(run=tlt, kind="drafter_stale").first()
     assert alert is not None, [s for s in tlt.metric_steps.values_list("step", "scalars")]
     assert "spot training is off" in alert.message
+    wait_for(lambda: RunAlert.objects.get(pk=alert.pk).webhook_state == "sent", 60, "the webhook POST",
+             lambda: celery_worker_proc.log.read_text()[-3000:])
+    assert [b["alert"] for b in _Hook.bodies] == ["drafter_stale"] and _Hook.bodies[0]["run"]["id"] == str(tlt.id)
     page.goto(f"{base}/runs/{tlt.id}/")
     page.locator('#dashboard[data-active="0"]').wait_for()
     assert "Drafter stale" in page.inner_text("#alert-banner")

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from django.contrib.auth.models import User
+from django.db.models.fields.json import KeyTransform
 from django.http import Http404
 
 from tltweb.accounts.models import Member, Team
@@ -25,6 +26,7 @@ PARITY_ALPHA = 0.05  # "within noise": the paired sign-flip test does not reject
 PARITY_MIN_STEPS = 6  # below this, no sign pattern can reach p < 0.05 (2 / 2^5 = 0.0625): say so
 PARITY_EXACT_UP_TO = 16  # steps up to which all 2^n sign patterns are enumerated; beyond, sampled
 PARITY_SAMPLES = 20_000
+PROMPT_LENGTHS = "rollout/prompt_lengths"
 CURVE_KEYS = {"reward": "reward/mean", "accuracy": "reward/accuracy", "length": "rollout/len_mean"}
 
 
@@ -231,9 +233,10 @@ def prompt_length_history(*, run: Run, top: int = 10) -> list[dict[str, Any]]:
     rollout/prompt_lengths: per prompt, the steps it was drawn in, its longest sample each time,
     and how often it held the step's longest answer; most such steps first, then longest mean."""
     prompts: dict[str, dict[str, Any]] = {}
-    rows = MetricStep.objects.filter(run=run).order_by("step").values_list("step", "series")
-    for step, series in rows:
-        groups = (series or {}).get("rollout/prompt_lengths") or []
+    rows = (MetricStep.objects.filter(run=run).order_by("step")
+            .annotate(groups=KeyTransform(PROMPT_LENGTHS, "series")).values_list("step", "groups"))
+    for step, groups in rows:  # only that series is read from the database, not the step's others
+        groups = groups if isinstance(groups, list) else []
         groups = [g for g in groups if isinstance(g, dict) and g.get("lengths")]
         if not groups:
             continue

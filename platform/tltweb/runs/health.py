@@ -4,8 +4,8 @@ webhook by a Celery task (workers.tasks.alert_webhook_post) when the team has on
 
 What raises an alert (scalars of workers/tlt/metrics.py and audit.py):
 - greedy_mismatch: `audit/greedy_identical` < 1 at a checkpoint (SD changed a greedy output).
-- acceptance_collapse: `spec/acceptance_length` below half the median of the run's earlier
-  values (at least ACCEPTANCE_MIN_HISTORY of them).
+- acceptance_collapse: `spec/acceptance_length` below half the running median of the run's
+  earlier values (the last ACCEPTANCE_WINDOW steps; at least ACCEPTANCE_MIN_HISTORY values).
 - drafter_stale: a TLT run whose drafter got no applied spot-training update (`drafter/updates`
   > 0, or a `drafter/loss`, which the trainer sends only then) for TLT_DRAFTER_STALE_STEPS steps
   in a row while the policy moved (`learner/grad_norm` > 0). `drafter: {spot_training: false}`
@@ -29,6 +29,7 @@ from workers import tasks
 log = logging.getLogger(__name__)
 
 ACCEPTANCE_MIN_HISTORY = 3  # earlier measured steps needed before a collapse can be called
+ACCEPTANCE_WINDOW = 50  # the running median is over the run's last 50 steps before this one
 
 
 class WebhookRetry(Exception):
@@ -41,7 +42,9 @@ def _applied_update(scalars: dict[str, Any]) -> bool:
 
 def run_health_check(*, run: Run, step: int) -> list[RunAlert]:
     """Check the run's alerts after `step` was recorded; returns the alerts raised now (new ones only)."""
-    rows = list(MetricStep.objects.filter(run=run, step__lte=step).order_by("step").values_list("step", "scalars"))
+    window = max(settings.TLT_DRAFTER_STALE_STEPS, ACCEPTANCE_WINDOW) + 1  # the newest steps up to this one
+    rows = list(MetricStep.objects.filter(run=run, step__lte=step).order_by("-step").values_list("step", "scalars")[:window])
+    rows.reverse()
     if not rows or rows[-1][0] != step:
         return []
     scalars = rows[-1][1]
