@@ -236,6 +236,22 @@
     }
   }
 
+  // Alerts raised while the page is open join the banner (the server renders those raised before).
+  var alertBox = document.getElementById("alert-banner");
+  function showAlerts(alerts) {
+    if (!alerts || alerts.length === document.querySelectorAll("#alert-list li").length) return;
+    var list = document.getElementById("alert-list");
+    list.textContent = "";
+    alerts.forEach(function (a) {
+      var li = document.createElement("li"), title = document.createElement("strong");
+      li.dataset.alert = a.kind; title.textContent = a.title;
+      li.appendChild(title); li.appendChild(document.createTextNode(" — " + a.message));
+      list.appendChild(li);
+    });
+    document.getElementById("alert-count").textContent = alerts.length + " alert" + (alerts.length === 1 ? "" : "s") + " on this run";
+    alertBox.hidden = alerts.length === 0;
+  }
+
   function poll() {
     fetch(metricsUrl + "?since=" + lastStep, { credentials: "same-origin" })
       .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
@@ -253,6 +269,7 @@
           refreshArtifacts();
         }
         showProgress(data.progress, data.active);
+        showAlerts(data.alerts);
         updateState(data);
         schedule(data.active);
       })

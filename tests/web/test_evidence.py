@@ -128,6 +128,7 @@ def test_a_drafter_without_updates_while_the_policy_moves_raises_stale_once(sett
     api = client.get(reverse("api-runs")).json()["runs"][0]
     assert api["alerts"] == 1
     assert client.get(reverse("api-run", args=[run.id])).json()["alert_list"][0]["kind"] == "drafter_stale"
+    assert client.get(reverse("api-run-metrics", args=[run.id])).json()["alerts"][0]["step"] == 4  # the live banner
 
 
 def test_a_baseline_or_a_policy_that_stands_still_raises_no_stale_alert(settings, alice, run):

@@ -268,6 +268,7 @@ class MetricsOut(BaseModel):
     steps: list[StepScalarsOut]
     last_step: int
     progress: ProgressOut | None
+    alerts: list["AlertOut"] = Field(description="the run's alerts, oldest first (the page's banner)")
 
 
 class StepRecordOut(BaseModel):
@@ -417,3 +418,4 @@ class MemberOut(BaseModel):
 
 
 RunDetailOut.model_rebuild()
+MetricsOut.model_rebuild()

@@ -138,6 +138,7 @@ def metrics_out(run: Run, *, since: int) -> dict[str, Any]:
         "steps": steps,
         "last_step": steps[-1]["step"] if steps else since,
         "progress": selectors.run_progress(run),
+        "alerts": [evidence.alert_out(a) for a in evidence.run_alerts(run=run)],
     }
 
 
