@@ -7,12 +7,11 @@ team's membership); the rest work on a run the caller already holds.
 
 from __future__ import annotations
 
-import itertools
-import random
 import statistics
 import uuid
 from typing import Any
 
+import numpy as np
 from django.contrib.auth.models import User
 from django.db.models.fields.json import KeyTransform
 from django.http import Http404
@@ -24,7 +23,7 @@ from tltweb.runs.selectors import run_get_for_user
 
 PARITY_ALPHA = 0.05  # "within noise": the paired sign-flip test does not reject at this level
 PARITY_MIN_STEPS = 6  # below this, no sign pattern can reach p < 0.05 (2 / 2^5 = 0.0625): say so
-PARITY_EXACT_UP_TO = 16  # steps up to which all 2^n sign patterns are enumerated; beyond, sampled
+PARITY_EXACT_UP_TO = 14  # steps up to which all 2^n sign patterns are enumerated; beyond, sampled
 PARITY_SAMPLES = 20_000
 PROMPT_LENGTHS = "rollout/prompt_lengths"
 CURVE_KEYS = {"reward": "reward/mean", "accuracy": "reward/accuracy", "length": "rollout/len_mean"}
@@ -76,7 +75,8 @@ def reward_parity(tlt: list[float], base: list[float], *, seed: int = 0) -> dict
 
     H0: at every step either run could as well have produced either reward (TLT changes nothing), so
     each difference's sign is a coin flip. Statistic |mean d|; p = share of sign patterns (all 2^n up
-    to PARITY_EXACT_UP_TO steps, else PARITY_SAMPLES sampled) whose |mean| is at least the observed one.
+    to PARITY_EXACT_UP_TO steps, else PARITY_SAMPLES sampled, seeded) whose |mean| is at least the
+    observed one.
     "Within noise": p >= PARITY_ALPHA, i.e. the observed gap is no larger than what swapping the two
     runs' rewards at random steps gives in 95% of cases. Fewer than PARITY_MIN_STEPS paired steps:
     the test cannot reject at all, so the verdict is "too few steps" rather than a false reassurance.
@@ -90,18 +90,17 @@ def reward_parity(tlt: list[float], base: list[float], *, seed: int = 0) -> dict
     }
     if not n:
         return out
-    observed = abs(sum(d) / n)
-    out["mean_difference"] = sum(d) / n
+    x = np.asarray(d, dtype=np.float64)
+    observed = abs(float(x.mean()))
+    out["mean_difference"] = float(x.mean())
     out["sd_difference"] = statistics.stdev(d) if n > 1 else 0.0
-    if n <= PARITY_EXACT_UP_TO:
-        patterns = itertools.product((1, -1), repeat=n)
-        total = 2 ** n
+    if n <= PARITY_EXACT_UP_TO:  # every sign pattern: bit j of pattern i flips difference j
+        bits = (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1
+        signs = 1 - 2 * bits
     else:
-        rng = random.Random(seed)
-        patterns = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(PARITY_SAMPLES))
-        total = PARITY_SAMPLES
-    hits = sum(1 for signs in patterns if abs(sum(s * x for s, x in zip(signs, d)) / n) >= observed - 1e-12)
-    p = hits / total
+        signs = np.random.default_rng(seed).choice(np.array([1, -1]), size=(PARITY_SAMPLES, n))
+    means = np.abs(signs @ x) / n  # the pollers ask often: one matrix product, not a Python loop
+    p = float(np.mean(means >= observed - 1e-12))
     out["p_value"] = p
     if n >= PARITY_MIN_STEPS:
         out["within_noise"] = p >= PARITY_ALPHA

@@ -21,6 +21,7 @@ from typing import Any
 import requests
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import F
 from django.urls import reverse
 
 from tltweb.runs.models import AlertKind, MetricStep, Run, RunAlert
@@ -108,7 +109,7 @@ def alert_webhook_deliver(*, alert_id: int) -> str:
     if alert is None or alert.webhook_state == "sent":
         return "sent" if alert else "gone"
     url = alert.run.team.alert_webhook_url
-    RunAlert.objects.filter(pk=alert.pk).update(webhook_attempts=alert.webhook_attempts + 1)
+    RunAlert.objects.filter(pk=alert.pk).update(webhook_attempts=F("webhook_attempts") + 1)
     if not url:
         return _webhook_done(alert, "failed", "the team no longer has a webhook URL")
     try:
