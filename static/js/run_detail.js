@@ -30,13 +30,17 @@
     };
     return Object.assign(base, extra || {});
   }
+  // Every step on x; a step that did not measure `key` is null there, drawn as a gap (never a zero,
+  // never a line bridging the steps around it).
   function col(key) {
-    var rows = steps.filter(function (r) { return r.scalars[key] !== undefined && r.scalars[key] !== null; });
-    return { x: rows.map(function (r) { return r.step; }), y: rows.map(function (r) { return r.scalars[key]; }) };
+    return {
+      x: steps.map(function (r) { return r.step; }),
+      y: steps.map(function (r) { var v = r.scalars[key]; return v === undefined ? null : v; })
+    };
   }
   function line(key, name, extra) {
     var c = col(key);
-    return Object.assign({ type: "scatter", mode: "lines+markers", name: name || key, x: c.x, y: c.y }, extra || {});
+    return Object.assign({ type: "scatter", mode: "lines+markers", connectgaps: false, name: name || key, x: c.x, y: c.y }, extra || {});
   }
   function bar(key, name, extra) {
     var c = col(key);
@@ -49,7 +53,14 @@
 
   function drawOverSteps() {
     draw("chart-reward", [line("reward/mean", "reward"), line("reward/accuracy", "accuracy")], layout("Reward & accuracy"));
-    draw("chart-mismatch", [line("rollout/logprob_mismatch", "|Δ log-prob|")], layout("Rollout vs learner log-prob mismatch"));
+    draw("chart-mismatch", [line("rollout/logprob_mismatch", "mean |Δ log-prob|"), line("rollout/logprob_mismatch_max", "max |Δ log-prob|")],
+      layout("Rollout vs learner log-prob mismatch", { yaxis: { title: { text: "|Δ log-prob|" }, exponentformat: "e" } }));
+    draw("chart-audit", [line("audit/greedy_identical", "greedy SD = plain", { line: { shape: "hv" } }),
+      line("audit/acceptance_length", "acceptance on held-out prompts", { yaxis: "y2" })],
+      layout("Greedy spot check at checkpoints", { yaxis: { range: [0, 1.05], title: { text: "share identical" } },
+        yaxis2: { overlaying: "y", side: "right", title: { text: "acceptance" } } }));
+    draw("chart-tail-frac", [bar("rollout/tail_time_frac", "after 90% finished", { marker: { color: "#c2362b" } })],
+      layout("Share of rollout time in the long tail", { yaxis: { range: [0, 1], tickformat: ".0%" } }));
     draw("chart-lengths", [line("rollout/len_p50", "p50"), line("rollout/len_p90", "p90"),
       line("rollout/len_p99", "p99"), line("rollout/len_max", "max")], layout("Response length (tokens)"));
     draw("chart-accept", [line("spec/acceptance_length", "acceptance length")], layout("Acceptance length (tokens / verify pass)"));
@@ -96,6 +107,27 @@
     draw("chart-strategy", Object.keys(arms).map(function (a) {
       return { type: "bar", name: a, x: buckets, y: buckets.map(function (b) { return strat[b][a] || 0; }) };
     }), layout("Strategy choices per batch-size bucket" + label, { barmode: "stack", xaxis: { title: { text: "batch-size bucket" }, type: "category" } }));
+
+    // SD arm in force over rollout time, one step line per worker (OFF: no SD)
+    var armNames = {};
+    (s["spec/arm_timeline"] || []).forEach(function (w) { (w.arm || []).forEach(function (a) { armNames[a] = true; }); });
+    var armList = Object.keys(armNames).sort(function (a, b) { return a === "off" ? -1 : b === "off" ? 1 : a < b ? -1 : 1; });
+    var end = (run.t || []).length ? run.t[run.t.length - 1] : null;
+    draw("chart-arms", (s["spec/arm_timeline"] || []).map(function (w) {
+      var t = (w.t || []).slice(), a = (w.arm || []).slice();
+      if (t.length && end !== null && end > t[t.length - 1]) { t.push(end); a.push(a[a.length - 1]); }
+      return { type: "scatter", mode: "lines", line: { shape: "hv" }, name: "worker " + w.worker, x: t, y: a };
+    }), layout("SD on/off and strategy over rollout time" + label, { xaxis: { title: { text: "seconds" } },
+      yaxis: { type: "category", categoryorder: "array", categoryarray: armList } }));
+
+    var mh = s["rollout/logprob_mismatch_hist"] || { edges: [], counts: [] };
+    var binLabels = (mh.counts || []).map(function (_, i) {
+      var lo = mh.edges[i], hi = mh.edges[i + 1];
+      return (lo === 0 ? "0" : lo.toExponential(0)) + "–" + (hi === null || hi === undefined ? "∞" : hi.toExponential(0));
+    });
+    draw("chart-mismatch-hist", [{ type: "bar", x: binLabels, y: mh.counts || [], marker: { color: "#6b4fbb" } }],
+      layout("|rollout − learner log-prob| per token" + label + (sc["spec/acceptance_length"] !== undefined ? " (SD on)" : " (SD off)"),
+        { xaxis: { title: { text: "|Δ log-prob|" }, type: "category" }, yaxis: { title: { text: "tokens" } } }));
 
     var kinds = { generate: { x: [], y: [], base: [] }, idle: { x: [], y: [], base: [] }, drafter: { x: [], y: [], base: [] } };
     (s["idle/timeline"] || []).forEach(function (w) {
@@ -204,6 +236,22 @@
     }
   }
 
+  // Alerts raised while the page is open join the banner (the server renders those raised before).
+  var alertBox = document.getElementById("alert-banner");
+  function showAlerts(alerts) {
+    if (!alerts || alerts.length === document.querySelectorAll("#alert-list li").length) return;
+    var list = document.getElementById("alert-list");
+    list.textContent = "";
+    alerts.forEach(function (a) {
+      var li = document.createElement("li"), title = document.createElement("strong");
+      li.dataset.alert = a.kind; title.textContent = a.title;
+      li.appendChild(title); li.appendChild(document.createTextNode(" — " + a.message));
+      list.appendChild(li);
+    });
+    document.getElementById("alert-count").textContent = alerts.length + " alert" + (alerts.length === 1 ? "" : "s") + " on this run";
+    alertBox.hidden = alerts.length === 0;
+  }
+
   function poll() {
     fetch(metricsUrl + "?since=" + lastStep, { credentials: "same-origin" })
       .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
@@ -221,6 +269,7 @@
           refreshArtifacts();
         }
         showProgress(data.progress, data.active);
+        showAlerts(data.alerts);
         updateState(data);
         schedule(data.active);
       })

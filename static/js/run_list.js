@@ -51,7 +51,15 @@
     cell(tr).appendChild(box);
     var link = document.createElement("a");
     link.href = run.url; link.textContent = run.name;
-    cell(tr).appendChild(link);
+    var nameCell = cell(tr);
+    nameCell.appendChild(link);
+    if (run.alerts) {
+      var badge = document.createElement("span");
+      badge.className = "badge alert-badge"; badge.title = "alerts on this run (see its page)";
+      badge.textContent = "⚠ " + run.alerts;
+      nameCell.appendChild(document.createTextNode(" "));
+      nameCell.appendChild(badge);
+    }
     var state = document.createElement("span");
     state.className = "state state-" + run.state;
     state.textContent = run.state.charAt(0).toUpperCase() + run.state.slice(1);

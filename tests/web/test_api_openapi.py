@@ -91,8 +91,17 @@ def _run_failed(world: dict) -> None:
     Run.objects.filter(pk=world["run_id"]).update(state="failed", failure="trainer")
 
 
-# operations whose success needs the run in another state than the world's running one
-PREPARE = {("POST", "/api/runs/{run_id}/resume"): _run_failed}
+def _run_paired(world: dict) -> None:
+    from tests.conftest import run_make
+    from tltweb.runs.models import Run
+
+    run = Run.objects.get(pk=world["run_id"])
+    run_make(run.team, run.creator, name="control", config=dict(run.config, run={**run.config["run"], "tlt": False}),
+             ab_partner=run)
+
+
+# operations whose success needs the run in another state than the world's running one (or a partner)
+PREPARE = {("POST", "/api/runs/{run_id}/resume"): _run_failed, ("GET", "/api/runs/{run_id}/pair"): _run_paired}
 
 
 def _call(client, method: str, path: str, op: dict, world: dict, token: str | None):

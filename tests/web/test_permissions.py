@@ -34,6 +34,9 @@ PAGES = [
     ("run-resume", "post", "editor"),
     ("run-log", "get", "viewer"),
     ("run-samples", "get", "viewer"),
+    ("run-ab-launch", "post", "editor"),
+    ("run-pair", "get", "viewer"),
+    ("run-drafter-latest", "get", "viewer"),
 ]
 API = [
     ("api-run", "get", "viewer"),
@@ -47,12 +50,16 @@ API = [
     ("api-run-resume", "post", "editor"),
     ("api-run-log", "get", "viewer"),
     ("api-run-samples", "get", "viewer"),
+    ("api-run-ab-launch", "post", "editor"),
+    ("api-run-pair", "get", "viewer"),
+    ("api-run-drafters", "get", "viewer"),
+    ("api-run-drafter-latest", "get", "viewer"),
 ]
 RANK = {"viewer": 1, "editor": 2, "owner": 3}
 
 
 def _url(name, run, artifact):
-    if "download" in name:
+    if "artifact-download" in name:
         return reverse(name, args=[run.id, artifact.pk])
     if name == "api-run-metrics-step":
         return reverse(name, args=[run.id, 0])
@@ -60,11 +67,16 @@ def _url(name, run, artifact):
 
 
 def _prepare(name, run) -> None:
-    """Resume needs a run that ended; everything else works on the queued run."""
+    """Resume needs a run that ended, the pair page a partner; everything else works on the queued run."""
     from tltweb.runs.models import Run
 
     if name.endswith("run-resume"):
         Run.objects.filter(pk=run.pk).update(state="failed", failure="infra")
+    if name.endswith("run-pair"):  # a pair to look at: the run's baseline control
+        from tests.conftest import run_make
+
+        cfg = dict(run.config, run={**run.config["run"], "tlt": False})
+        run_make(run.team, run.creator, name="control", config=cfg, ab_partner=run)
 
 
 def _call(client, method, url, **headers):
@@ -255,8 +267,19 @@ def test_a_revoked_token_stops_working(client, alice, run):
 
 
 def test_tokens_are_stored_hashed(alice):
+    """The row holds the token's SHA-256 and nothing from which the token could be read back."""
+    import hashlib
+
+    from tltweb.accounts.models import ApiToken
+    from tltweb.accounts.services import token_matches
+
     row, token = api_token_create(user=alice, name="laptop")
-    assert token not in row.token_hash and row.token_hash != token
+    stored = ApiToken.objects.get(pk=row.pk)
+    assert stored.token_hash == hashlib.sha256(token.encode()).hexdigest()
+    assert token_matches(token, stored.token_hash) and not token_matches(token + "x", stored.token_hash)
+    secret = token[len(stored.prefix):]
+    columns = [str(v) for v in ApiToken.objects.filter(pk=row.pk).values().first().values()]
+    assert secret and not any(secret in value for value in columns)
 
 
 def test_run_list_shows_only_the_users_teams(client, run, charlie):
@@ -313,12 +336,54 @@ def test_the_last_owner_cannot_be_removed(client, alice, team):
     assert team.members.filter(user=alice, role="owner").exists()
 
 
-def test_an_outsider_cannot_download_by_guessing_ids(client, run, artifact, charlie):
-    from tltweb.accounts.services import team_create
+def test_an_outsider_cannot_download_by_guessing_ids(client, alice, team, run, artifact, charlie):
+    """Charlie walks the artifact ids around a real one, through his own run's URL and through
+    alice's: every guess is a 404 that reads the same as a made-up id, so nothing leaks."""
+    from tests.conftest import run_make
+    from tltweb.accounts.models import Team
 
+    own = run_make(Team.objects.get(name="Charlie's lab"), charlie, name="charlie's")
     client.force_login(charlie)
-    resp = client.get(reverse("artifact-download", args=[run.id, artifact.pk]))
-    assert resp.status_code == 404
+    _, token = api_token_create(user=charlie, name="t")
+    guesses = range(max(1, artifact.pk - 3), artifact.pk + 4)
+    assert artifact.pk in guesses
+    bodies = set()
+    for run_id in (run.id, own.id):
+        for guess in guesses:
+            page = client.get(reverse("artifact-download", args=[run_id, guess]))
+            api = client.get(reverse("api-artifact-download", args=[run_id, guess]), HTTP_AUTHORIZATION=f"Bearer {token}")
+            assert page.status_code == 404 and api.status_code == 404, (run_id, guess)
+            assert not getattr(page, "streaming", False) and b"PK-zip-bytes" not in page.content + api.content
+            bodies.add(api.content.replace(str(guess).encode(), b"<id>"))
+    assert len({b for b in bodies if b"no such run" in b}) == 1  # alice's run: one answer for every id
+    client.force_login(alice)  # the same ids are real for alice: the test guessed the right one
+    assert client.get(reverse("artifact-download", args=[run.id, artifact.pk])).status_code == 200
+
+
+def test_the_metrics_step_endpoint_answers_only_members(client, alice, team, run, artifact, bob, charlie):
+    """One step's record (its series) for members, a 404 that says nothing for outsiders, and never
+    another run's step through this run's URL."""
+    from tests.conftest import run_make
+    from tltweb.runs.services import metrics_record
+
+    metrics_record(run=run, step=1, scalars={"reward/mean": 0.7}, series={"rollout/lengths": [3, 5, 8]})
+    other = run_make(team, alice, name="other")
+    metrics_record(run=other, step=7, scalars={"reward/mean": 0.1}, series={"rollout/lengths": [99]})
+    url = reverse("api-run-metrics-step", args=[run.id, 1])
+    for user, status in ((alice, 200), (bob, 200), (charlie, 404)):
+        _, token = api_token_create(user=user, name="t")
+        resp = client.get(url, HTTP_AUTHORIZATION=f"Bearer {token}")
+        assert resp.status_code == status, user
+        if status == 200:
+            assert resp.json()["series"]["rollout/lengths"] == [3, 5, 8]
+        else:
+            assert "rollout/lengths" not in resp.content.decode() and resp.json()["error"] == "no such run"
+        client.force_login(user)
+        assert client.get(url).status_code == status
+        client.logout()
+    _, token = api_token_create(user=alice, name="t2")
+    resp = client.get(reverse("api-run-metrics-step", args=[run.id, 7]), HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert resp.status_code == 404  # step 7 is the other run's
 
 
 def test_the_admin_lists_teams_runs_and_tokens_for_staff(client, run, alice):

@@ -19,6 +19,8 @@ NEED_ROLE = {"view": Role.VIEWER, "edit": Role.EDITOR, "own": Role.OWNER}
 class Team(models.Model):
     name = models.CharField(max_length=100, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Drafter-health and audit alerts of the team's runs are POSTed here as JSON (optional; owners set it).
+    alert_webhook_url = models.URLField(max_length=500, blank=True)
 
     def __str__(self) -> str:
         return self.name

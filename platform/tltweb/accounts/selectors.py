@@ -21,7 +21,7 @@ def member_list_for_user(*, user: User) -> QuerySet[Member]:
 
 
 def member_get(*, user: User, team_id: int) -> Member | None:
-    if not user.is_authenticated:
+    if not user.is_authenticated or not 0 < team_id < 2**63:  # no such id (and SQLite cannot even look one up)
         return None
     return Member.objects.select_related("team").filter(user=user, team_id=team_id).first()
 

@@ -217,6 +217,9 @@ class RunOut(BaseModel):
     progress: ProgressOut | None
     attempt: int = Field(description="0 for the first Ray job; each resume (automatic or a click) adds one")
     resumable: bool = Field(description="failed (not by a bad config) or cancelled and stopped: POST .../resume")
+    tlt: bool = Field(description="run.tlt: TLT on (SD in the tail, spot drafter training) or the plain baseline")
+    alerts: int = Field(description="alerts raised on the run (losslessness audit, drafter health)")
+    ab_partner: uuid.UUID | None = Field(description="the run's A/B partner (its baseline control or TLT treatment)")
 
 
 class AttemptOut(BaseModel):
@@ -244,6 +247,8 @@ class RunDetailOut(RunOut):
     )
     auto_resumes: int
     attempts: list[AttemptOut] = Field(description="the earlier attempts, oldest first")
+    alert_list: list["AlertOut"] = Field(description="the run's alerts, oldest first")
+    latest_drafter_url: str | None = Field(description="download of the newest drafter checkpoint")
 
 
 class RunListOut(BaseModel):
@@ -263,12 +268,22 @@ class MetricsOut(BaseModel):
     steps: list[StepScalarsOut]
     last_step: int
     progress: ProgressOut | None
+    alerts: list["AlertOut"] = Field(description="the run's alerts, oldest first (the page's banner)")
 
 
 class StepRecordOut(BaseModel):
     step: int
     scalars: dict[str, float | None]
     series: dict[str, Any]
+
+
+class AlertOut(BaseModel):
+    kind: Literal["greedy_mismatch", "acceptance_collapse", "drafter_stale"]
+    title: str
+    message: str
+    step: int = Field(description="the step at which it was raised")
+    created_at: datetime
+    webhook: str | None = Field(description="the team webhook's delivery: pending | sent | failed (null: no webhook)")
 
 
 class ArtifactOut(BaseModel):
@@ -278,8 +293,80 @@ class ArtifactOut(BaseModel):
     filename: str
     size: int
     sha256: str
+    content_sha256: str = Field(description="the drafter version: hash of the archive without its model card")
     created_at: datetime
     download_url: str
+    model_card: dict[str, Any] | None = Field(description="export.model_card of a drafter, when it carries one")
+
+
+class DrafterVersionOut(BaseModel):
+    version: int = Field(description="1 for the run's first distinct drafter, counting up")
+    content_sha256: str
+    steps: list[int] = Field(description="checkpoints holding this exact drafter")
+    first_step: int
+    last_step: int
+    artifact: ArtifactOut = Field(description="the version's newest checkpoint")
+    model_card: dict[str, Any] | None
+
+
+class DrafterListOut(BaseModel):
+    latest_url: str | None = Field(description="download of the newest drafter checkpoint")
+    versions: list[DrafterVersionOut] = Field(description="newest first; checkpoints deduplicated by content hash")
+
+
+class TeamDrafterOut(DrafterVersionOut):
+    run: uuid.UUID
+    run_name: str
+
+
+class TeamDrafterGroupOut(BaseModel):
+    base_model: str
+    versions: list[TeamDrafterOut]
+
+
+class TeamDraftersOut(BaseModel):
+    groups: list[TeamDrafterGroupOut]
+
+
+class PairCurveOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    state: str
+    tlt: bool
+    step: list[int]
+    wall_s: list[float] = Field(description="seconds of training (summed step times) at each step's end")
+    reward: list[float | None] = Field(description="reward/mean per step (null: not measured)")
+    accuracy: list[float | None] = Field(description="reward/accuracy per step")
+    length: list[float | None] = Field(description="rollout/len_mean per step (tokens)")
+
+
+class ParityOut(BaseModel):
+    test: str
+    alpha: float
+    steps: int
+    min_steps: int
+    mean_difference: float | None = Field(description="mean of TLT - baseline reward over paired steps")
+    sd_difference: float | None
+    p_value: float | None
+    within_noise: bool | None = Field(description="p >= alpha; null with fewer than min_steps paired steps")
+    verdict: Literal["within noise", "differs", "too few steps"]
+
+
+class PairOut(BaseModel):
+    tlt: PairCurveOut
+    baseline: PairCurveOut
+    steps_compared: int
+    e2e_speedup: float | None = Field(description="baseline step time / TLT step time over the steps both ran")
+    rollout_speedup: float | None = Field(description="the same for the rollout phase (s)")
+    rollout_share: float | None = Field(description="the baseline's rollout time / step time (r)")
+    amdahl_bound: float | None = Field(description="1 / ((1 - r) + r / s)")
+    e2e_efficiency: float | None = Field(description="e2e_speedup / amdahl_bound")
+    idle_worker_s: float
+    idle_reclaimed_s: float
+    idle_reclaimed_frac: float | None
+    logprob_mismatch_max: dict[str, float | None]
+    reward_parity: ParityOut
+    url: str = Field(description="the pair's page")
 
 
 class ArtifactListOut(BaseModel):
@@ -328,3 +415,7 @@ class TeamListOut(BaseModel):
 class MemberOut(BaseModel):
     username: str
     role: str
+
+
+RunDetailOut.model_rebuild()
+MetricsOut.model_rebuild()

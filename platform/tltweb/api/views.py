@@ -26,6 +26,7 @@ from tltweb.api.schemas import (
     ArtifactForm,
     ArtifactListOut,
     ArtifactOut,
+    DrafterListOut,
     ErrorOut,
     IngestOut,
     LaunchBody,
@@ -33,6 +34,7 @@ from tltweb.api.schemas import (
     MemberOut,
     MetricsBody,
     MetricsOut,
+    PairOut,
     ProgressBody,
     ProgressIngestOut,
     RunDetailOut,
@@ -41,10 +43,11 @@ from tltweb.api.schemas import (
     SamplesOut,
     StepRecordOut,
     TeamCreateBody,
+    TeamDraftersOut,
     TeamListOut,
     TeamOut,
 )
-from tltweb.runs import downloads, selectors, services
+from tltweb.runs import downloads, evidence, selectors, services
 from tltweb.runs.models import Artifact, Run
 from tltweb.runs.uploads import HashedUpload, HashingUploadHandler
 
@@ -78,6 +81,9 @@ def run_out(run: Run, *, full: bool = False) -> dict[str, Any]:
         "attempt": run.attempt,
         "resumable": run.is_resumable,
         "url": reverse("run-detail", args=[run.id]),
+        "tlt": run.is_tlt,
+        "alerts": selectors.run_alert_count(run),
+        "ab_partner": run.ab_partner_id,
         **selectors.run_live(run),
     }
     if full:
@@ -94,6 +100,9 @@ def run_out(run: Run, *, full: bool = False) -> dict[str, Any]:
             auto_resumes=run.auto_resumes,
             attempts=[{k: a.get(k) for k in ("attempt", "submission_id", "state", "failure", "error", "finished_at",
                                               "resumed_by")} for a in run.attempts_log],
+            alert_list=[evidence.alert_out(a) for a in evidence.run_alerts(run=run)],
+            latest_drafter_url=reverse("api-run-drafter-latest", args=[run.id])
+            if evidence.drafter_latest(run=run) else None,
         )
     return data
 
@@ -107,9 +116,16 @@ def artifact_out(artifact: Artifact, *, api_url: bool = True) -> dict[str, Any]:
         "filename": artifact.filename,
         "size": artifact.size,
         "sha256": artifact.sha256,
+        "content_sha256": artifact.content_sha256 or artifact.sha256,
         "created_at": artifact.created_at,
         "download_url": reverse(name, args=[artifact.run_id, artifact.pk]),
+        "model_card": (artifact.meta or {}).get("model_card"),
     }
+
+
+def drafter_version_out(v: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: v[k] for k in ("version", "content_sha256", "steps", "first_step", "last_step", "model_card")},
+            "artifact": artifact_out(v["artifact"])}
 
 
 def metrics_out(run: Run, *, since: int) -> dict[str, Any]:
@@ -122,6 +138,7 @@ def metrics_out(run: Run, *, since: int) -> dict[str, Any]:
         "steps": steps,
         "last_step": steps[-1]["step"] if steps else since,
         "progress": selectors.run_progress(run),
+        "alerts": [evidence.alert_out(a) for a in evidence.run_alerts(run=run)],
     }
 
 
@@ -288,6 +305,45 @@ def artifact_download(request: HttpRequest, run_id: uuid.UUID, artifact_id: int)
     return downloads.artifact_response(artifact)
 
 
+@runs.post("/runs/{uuid:run_id}/ab", response={201: RunDetailOut, **USER_ERRORS}, url_name="api-run-ab-launch",
+           summary="Launch the run's A/B partner: same config and seed, TLT flipped (editor)",
+           openapi_extra=access("edit"))
+def run_ab_launch(request: HttpRequest, run_id: uuid.UUID):
+    """A TLT run gets its baseline control, a baseline its TLT treatment; the new run links to this one."""
+    run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="edit")
+    return Status(201, run_out(services.run_launch_control(user=request.auth, run=run), full=True))
+
+
+@runs.get("/runs/{uuid:run_id}/pair", response={200: PairOut, **USER_ERRORS}, url_name="api-run-pair",
+          summary="The run's A/B pair: curves, measured speedups, Amdahl bound, idle reclaimed, reward parity",
+          openapi_extra=access("view"))
+def run_pair(request: HttpRequest, run_id: uuid.UUID):
+    """404 when the run has no A/B partner. Figures are null until both runs have a step to compare."""
+    tlt, base, _ = evidence.run_pair_get_for_user(user=request.auth, run_id=run_id)
+    return {**evidence.ab_summary(tlt=tlt, base=base), "url": reverse("run-pair", args=[run_id])}
+
+
+@runs.get("/runs/{uuid:run_id}/drafters", response={200: DrafterListOut, **USER_ERRORS},
+          url_name="api-run-drafters", summary="The run's drafter versions (deduplicated by content hash) with model cards",
+          openapi_extra=access("view"))
+def run_drafters(request: HttpRequest, run_id: uuid.UUID):
+    run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
+    latest = evidence.drafter_latest(run=run)
+    return {"latest_url": reverse("api-run-drafter-latest", args=[run.id]) if latest else None,
+            "versions": [drafter_version_out(v) for v in evidence.drafter_versions(run=run)]}
+
+
+@runs.get("/runs/{uuid:run_id}/drafters/latest/file", response=USER_ERRORS, url_name="api-run-drafter-latest",
+          summary="Download the newest drafter checkpoint (vLLM/SGLang EAGLE zip)",
+          openapi_extra=access("view", responses={200: {"description": "the file", **_BINARY}}))
+def run_drafter_latest(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    run, _ = selectors.run_get_for_user(user=request.auth, run_id=run_id, need="view")
+    latest = evidence.drafter_latest(run=run)
+    if latest is None:
+        raise Http404("this run has no drafter yet")
+    return downloads.artifact_response(latest)
+
+
 # ---- teams ----
 
 teams = Router(auth=USER_AUTH, tags=["teams"])
@@ -315,6 +371,15 @@ def team_member_put(request: HttpRequest, team_id: int, body: MemberBody):
     team, _ = team_selectors.team_get_for_user(user=request.auth, team_id=team_id, need="own")
     member = team_services.team_member_add(team=team, actor=request.auth, username=body.username, role=body.role)
     return {"username": member.user.username, "role": member.role}
+
+
+@teams.get("/teams/{int:team_id}/drafters", response={200: TeamDraftersOut, **USER_ERRORS}, url_name="api-team-drafters",
+           summary="The team's drafter versions, grouped by base model", openapi_extra=access("view"))
+def team_drafters(request: HttpRequest, team_id: int):
+    _, groups = evidence.team_drafters_for_user(user=request.auth, team_id=team_id)
+    return {"groups": [{"base_model": g["base_model"], "versions": [
+        {**drafter_version_out(v), "run": v["run"].id, "run_name": v["run"].name} for v in g["versions"]]}
+        for g in groups]}
 
 
 # ---- ingestion (the training job, with the run's token) ----
@@ -354,6 +419,7 @@ _MULTIPART = {
                         "sha256": {"type": "string", "pattern": SHA256_PATTERN,
                                    "description": "SHA-256 (hex) the sender measured"},
                         "file": {"type": "string", "format": "binary"},
+                        "meta": {"type": "string", "description": 'optional JSON object, e.g. {"model_card": {...}}'},
                     },
                     "required": ["kind", "step", "size", "sha256", "file"],
                 }
@@ -381,12 +447,28 @@ def ingest_artifacts(request: HttpRequest, run_id: uuid.UUID):
         if len(uploads) != 1:
             raise ValidationError({"file": "send exactly one multipart field 'file'"})
         artifact = services.artifact_store(run=run, kind=form.kind, step=form.step, upload=uploads[0],
-                                           expected_size=form.size, expected_sha256=form.sha256)
+                                           expected_size=form.size, expected_sha256=form.sha256,
+                                           meta=_meta_field(request.POST.get("meta", "")))
     finally:
         for upload in uploads:  # streamed .part files: renamed when stored, removed otherwise
             if isinstance(upload, HashedUpload):
                 upload.path.unlink(missing_ok=True)
     return Status(201, artifact_out(artifact))
+
+
+def _meta_field(raw: str) -> dict[str, Any] | None:
+    """The optional multipart field `meta`: a JSON object (a drafter's {"model_card": ...})."""
+    import json
+
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw, parse_constant=lambda _c: None)
+    except ValueError:
+        raise ValidationError({"meta": "must be a JSON object"}) from None
+    if not isinstance(meta, dict):
+        raise ValidationError({"meta": "must be a JSON object"})
+    return meta
 
 
 api.add_router("", runs)

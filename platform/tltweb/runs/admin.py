@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from tltweb.runs.models import Artifact, MetricStep, Run
+from tltweb.runs.models import Artifact, MetricStep, Run, RunAlert
 
 
 @admin.register(Run)
@@ -19,5 +19,12 @@ class MetricStepAdmin(admin.ModelAdmin):
 
 @admin.register(Artifact)
 class ArtifactAdmin(admin.ModelAdmin):
-    list_display = ["run", "kind", "step", "size", "sha256", "created_at"]
+    list_display = ["run", "kind", "step", "size", "content_sha256", "sha256", "created_at"]
     list_filter = ["kind"]
+
+
+@admin.register(RunAlert)
+class RunAlertAdmin(admin.ModelAdmin):
+    list_display = ["run", "kind", "step", "webhook_state", "webhook_attempts", "created_at"]
+    list_filter = ["kind", "webhook_state"]
+    list_select_related = ["run"]

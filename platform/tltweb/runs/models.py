@@ -43,6 +43,9 @@ class Run(models.Model):
     tags = models.JSONField(default=list, blank=True)
     notes = models.TextField(blank=True)
     cloned_from = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True)
+    # A/B pair: the run this one was launched against in one click (a TLT run for its baseline
+    # control, a baseline for its TLT treatment): same config and seed, run.tlt flipped.
+    ab_partner = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True, related_name="ab_launched")
 
     state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.QUEUED, db_index=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -85,6 +88,11 @@ class Run(models.Model):
         return self.state in ACTIVE_STATES
 
     @property
+    def is_tlt(self) -> bool:
+        """TLT on (SD in the tail, spot drafter training) rather than the plain baseline."""
+        return bool(((self.config or {}).get("run") or {}).get("tlt", True))
+
+    @property
     def is_resumable(self) -> bool:
         """A failed run (unless its config is bad) or a cancelled one whose job Ray has confirmed stopped."""
         if self.state == RunState.FAILED:
@@ -114,6 +122,10 @@ class Artifact(models.Model):
     path = models.CharField(max_length=500)  # relative to TLT_ARTIFACT_DIR
     size = models.BigIntegerField()
     sha256 = models.CharField(max_length=64)
+    # The drafter version: SHA-256 over the archive's weight and config files (its model card left out,
+    # since the card names the step), so checkpoints of an unchanged drafter are one version.
+    content_sha256 = models.CharField(max_length=64, blank=True, db_index=True)
+    meta = models.JSONField(default=dict, blank=True)  # {"model_card": {...}} (export.model_card) when known
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -148,3 +160,27 @@ class RolloutSample(models.Model):
             models.UniqueConstraint(fields=["run", "step", "sample"], name="rolloutsample_unique_run_step_sample")
         ]
         indexes = [models.Index(fields=["run", "step"], name="rolloutsample_run_step")]
+
+
+class AlertKind(models.TextChoices):
+    GREEDY_MISMATCH = "greedy_mismatch", "Losslessness check failed"  # audit/greedy_identical < 1
+    ACCEPTANCE_COLLAPSE = "acceptance_collapse", "Acceptance collapsed"  # below half its running median
+    DRAFTER_STALE = "drafter_stale", "Drafter stale"  # no applied update for N steps while the policy moves
+
+
+class RunAlert(models.Model):
+    """Something about a run that a person should look at; one row per (run, kind), raised once."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="alerts")
+    kind = models.CharField(max_length=30, choices=AlertKind.choices)
+    step = models.PositiveIntegerField()  # the step at which it was raised
+    message = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    # the team's webhook: "" (none set), pending, sent, failed (gave up after the task's retries)
+    webhook_state = models.CharField(max_length=10, blank=True)
+    webhook_attempts = models.PositiveSmallIntegerField(default=0)
+    webhook_error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [models.UniqueConstraint(fields=["run", "kind"], name="runalert_unique_run_kind")]

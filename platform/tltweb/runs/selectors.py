@@ -8,7 +8,7 @@ from typing import Any
 
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import DurationField, ExpressionWrapper, F, FloatField, OuterRef, Q, QuerySet, Subquery
+from django.db.models import Count, DurationField, ExpressionWrapper, F, FloatField, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Coalesce, Now
 from django.http import Http404
@@ -17,7 +17,7 @@ from django.utils import timezone
 from tltweb.accounts.models import Member
 from tltweb.accounts.services import token_matches
 from tltweb.runs.errors import RunFinished
-from tltweb.runs.models import Artifact, MetricStep, RolloutSample, Run
+from tltweb.runs.models import Artifact, MetricStep, RolloutSample, Run, RunAlert
 
 # Sort keys of the run list (API `sort`, page `?sort=`); "-" in front sorts descending.
 RUN_SORTS = {
@@ -116,12 +116,20 @@ def run_list_for_user(
         last_step=Subquery(MetricStep.objects.filter(run=OuterRef("pk")).order_by("-step").values("step")[:1]),
         latest_reward=_latest("reward/mean"),
         latest_acceptance=_latest("spec/acceptance_length"),
+        alert_count=Coalesce(Subquery(RunAlert.objects.filter(run=OuterRef("pk")).values("run").annotate(n=Count("pk"))
+                                       .values("n")[:1]), Value(0)),
         duration=ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField()),
     )
     desc = sort.startswith("-")
     column = RUN_SORTS.get(sort.lstrip("-"), "created_at")
     order = F(column).desc(nulls_last=True) if desc else F(column).asc(nulls_last=True)
     return runs.order_by(order, "-created_at")
+
+
+def run_alert_count(run: Run) -> int:
+    """Alerts raised on the run (the run list's badge): the list's annotation when present."""
+    count = getattr(run, "alert_count", None)
+    return int(count) if count is not None else RunAlert.objects.filter(run=run).count()
 
 
 def run_sort_valid(sort: str) -> bool:
@@ -223,10 +231,6 @@ def metrics_scalars(*, run: Run, since: int = -1) -> list[dict[str, Any]]:
 def metrics_series(*, run: Run, step: int) -> dict[str, Any] | None:
     row = MetricStep.objects.filter(run=run, step=step).values("step", "scalars", "series").first()
     return row
-
-
-def metrics_steps(*, run: Run) -> list[int]:
-    return list(MetricStep.objects.filter(run=run).order_by("step").values_list("step", flat=True))
 
 
 def rollout_sample_steps(*, run: Run) -> list[int]:

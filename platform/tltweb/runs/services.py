@@ -11,7 +11,6 @@ import hmac
 import logging
 import re
 import secrets
-import shutil
 import uuid
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +24,7 @@ from django.utils import timezone
 
 from tltweb.accounts.models import Member, Team
 from tltweb.accounts.services import token_hash
-from tltweb.runs import dispatch
+from tltweb.runs import dispatch, health
 from tltweb.runs.errors import RunFinished, RunStateError  # noqa: F401  (RunStateError: services.RunStateError)
 from tltweb.runs.logtext import log_clean, log_tail
 from tltweb.runs.models import ACTIVE_STATES, Artifact, Failure, MetricStep, RolloutSample, Run, RunState
@@ -33,6 +32,7 @@ from tltweb.runs.uploads import HashedUpload
 from workers.tlt.config import PRESETS, ConfigError, TLTConfig, load_config, preset as preset_config
 from workers.tlt.metrics import SAMPLES_KEY  # the series of a step's sample responses (stored in RolloutSample)
 from workers.tlt.paths import PathRoots, config_paths_resolve
+from workers import tasks  # its tasks import these services lazily, inside each task: no import circle
 from workers.tlt.train import EXIT_BAD_CONFIG  # light: torch and ray are imported only when training starts
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def run_launch(
     tags: list[str] | str = (),
     notes: str = "",
     cloned_from: Run | None = None,
+    ab_partner: Run | None = None,
 ) -> Run:
     """Validate the config, create the run, and submit it to Ray once the row is committed.
 
@@ -113,8 +114,9 @@ def run_launch(
             tags=tags_clean(tags),
             notes=notes,
             cloned_from=cloned_from,
+            ab_partner=ab_partner,
         )
-        transaction.on_commit(lambda: _enqueue("run_submit", run.id))
+        transaction.on_commit(lambda: tasks.run_submit.delay(str(run.id)))
     return run
 
 
@@ -147,12 +149,6 @@ def run_capacity_check(*, cfg: TLTConfig) -> None:
                                                   f"the Ray cluster has {cpus:g} CPUs in all"})
 
 
-def _enqueue(task_name: str, run_id: uuid.UUID) -> None:
-    from workers import tasks  # the Celery side imports Django; keep the import out of module load
-
-    getattr(tasks, task_name).delay(str(run_id))
-
-
 def run_clone(*, user: User, run: Run) -> Run:
     """A new run with the same team, config, preset and tags."""
     return run_launch(
@@ -164,6 +160,28 @@ def run_clone(*, user: User, run: Run) -> Run:
         tags=run.tags,
         notes=run.notes,
         cloned_from=run,
+    )
+
+
+def run_launch_control(*, user: User, run: Run) -> Run:
+    """The run's A/B partner in one click: the same config and seed with TLT flipped (a TLT run gets
+    its baseline control, a baseline its TLT treatment), linked to it (ab_partner).
+
+    Raises PermissionDenied for non-editors, ConfigError when the config no longer validates.
+    """
+    _require_role(user, run.team, "edit")
+    cfg = load_config(run.config_yaml)
+    cfg.run.tlt = not cfg.run.tlt
+    role = "TLT treatment" if cfg.run.tlt else "baseline control"
+    return run_launch(
+        user=user,
+        team=run.team,
+        name=f"{run.name} ({role})"[:200],
+        preset=run.preset,
+        config_yaml=cfg.to_yaml(),
+        tags=[*run.tags, "ab"][:MAX_TAGS],
+        notes=f"A/B {role} of {run.name} ({run.id}): same config and seed, run.tlt: {str(cfg.run.tlt).lower()}.",
+        ab_partner=run,
     )
 
 
@@ -195,7 +213,7 @@ def run_cancel(*, run: Run) -> Run:
         _finish(run, RunState.CANCELLED)
         run.job_stopped_at = None if run.submitted_at else timezone.now()  # nothing to stop when never submitted
         run.save(update_fields=["job_stopped_at"])
-        transaction.on_commit(lambda: _enqueue("run_cancel", run.id))
+        transaction.on_commit(lambda: tasks.run_cancel.delay(str(run.id)))
     return run
 
 
@@ -248,7 +266,7 @@ def _resume(run: Run, *, by: str) -> None:
     run.ingest_token_salt = ""  # the next attempt gets a token of its own at submit
     run.save()
     run_id = run.id
-    transaction.on_commit(lambda: _enqueue("run_submit", run_id))
+    transaction.on_commit(lambda: tasks.run_submit.delay(str(run_id)))
     log.info("run %s queued for attempt %d (resumed by %s)", run.id, run.attempt, by)
 
 
@@ -468,7 +486,7 @@ def runs_sync(*, client: Any = None, resubmit_after_s: int | None = None) -> int
             except Exception:
                 log.exception("sync of run %s failed", run.id)
         elif not run.submitted_at and (timezone.now() - run.queued_at).total_seconds() > resubmit_after_s:
-            _enqueue("run_submit", run.id)
+            tasks.run_submit.delay(str(run.id))
     for run_id in stopping if client is not None else ():
         try:
             run_stop_job(run_id=run_id, client=client)
@@ -513,6 +531,10 @@ def metrics_record(*, run: Run, step: int, scalars: dict[str, float], series: di
         if locked.state == RunState.QUEUED:
             locked.state, locked.started_at = RunState.RUNNING, locked.started_at or timezone.now()
             locked.save(update_fields=["state", "started_at"])
+    try:
+        health.run_health_check(run=locked, step=step)
+    except Exception:  # an alert must never cost the trainer its metrics
+        log.exception("health check of run %s at step %d failed", run.id, step)
     return row
 
 
@@ -600,6 +622,7 @@ def artifact_store(
     filename: str = "",
     expected_size: int | None = None,
     expected_sha256: str | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> Artifact:
     """Store an uploaded file under TLT_ARTIFACT_DIR with its size and SHA-256; idempotent per (run, kind, step).
 
@@ -638,22 +661,28 @@ def artifact_store(
         ):
             raise ValidationError({"file": f"received {size} bytes with sha256 {sha256}, but the sender sent "
                                            f"{expected_size} bytes with sha256 {expected_sha256}: nothing stored"})
+        content_sha256, card = artifact_content(Path(tmp), sha256=sha256)
+        meta = artifact_meta_clean(meta, card=card)
         final = folder / f"{kind}-step{step:06d}-{sha256[:12]}-{filename}"
         rel = str(final.relative_to(Path(settings.TLT_ARTIFACT_DIR)))
         with transaction.atomic():
             locked = Run.objects.select_for_update().get(pk=run.pk)
             _require_active(locked)
-            Path(tmp).replace(final)
+            # Deduplicated by content hash: a file the run already holds byte for byte is not stored again.
+            same = Artifact.objects.filter(run=locked, sha256=sha256).exclude(kind=kind, step=step).first()
+            if same is not None and (Path(settings.TLT_ARTIFACT_DIR) / same.path).is_file():
+                rel = same.path
+            else:
+                Path(tmp).replace(final)
             old = Artifact.objects.filter(run=locked, kind=kind, step=step).first()
+            fields = {"filename": filename, "path": rel, "size": size, "sha256": sha256,
+                      "content_sha256": content_sha256, "meta": meta}
             try:
                 with transaction.atomic():
-                    artifact, _ = Artifact.objects.update_or_create(
-                        run=locked, kind=kind, step=step,
-                        defaults={"filename": filename, "path": rel, "size": size, "sha256": sha256},
-                    )
+                    artifact, _ = Artifact.objects.update_or_create(run=locked, kind=kind, step=step, defaults=fields)
             except IntegrityError:  # a concurrent retry of the same upload won the race; same content
                 artifact = Artifact.objects.get(run=locked, kind=kind, step=step)
-            if old is not None and old.path != artifact.path:
+            if old is not None and old.path != artifact.path and not Artifact.objects.filter(path=old.path).exists():
                 stale = Path(settings.TLT_ARTIFACT_DIR) / old.path
                 transaction.on_commit(lambda: stale.unlink(missing_ok=True))
     finally:
@@ -661,15 +690,61 @@ def artifact_store(
     return artifact
 
 
+MODEL_CARD_NAME = "model_card.json"  # workers/tlt/export.py writes it into the drafter's folder
+MAX_META_BYTES = 64 * 1024
+
+
+def artifact_content(path: Path, *, sha256: str) -> tuple[str, dict[str, Any] | None]:
+    """(content hash, model card) of a stored file. For a zip (the drafter's EAGLE folder): SHA-256
+    over its members' names and bytes in name order, the model card left out (it names the RL step,
+    so it differs between checkpoints of an unchanged drafter), and the card it holds, if any.
+    Anything else (or a zip that does not open): the file's own SHA-256 and no card."""
+    import json
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            digest, card = hashlib.sha256(), None
+            for name in sorted(zf.namelist()):
+                if name.rsplit("/", 1)[-1] == MODEL_CARD_NAME:
+                    if zf.getinfo(name).file_size <= MAX_META_BYTES:
+                        try:
+                            card = json.loads(zf.read(name))
+                        except ValueError:
+                            card = None
+                    continue
+                digest.update(name.encode() + b"\0")
+                with zf.open(name) as member:
+                    for chunk in iter(lambda: member.read(1 << 20), b""):
+                        digest.update(chunk)
+            return digest.hexdigest(), card if isinstance(card, dict) else None
+    except (zipfile.BadZipFile, OSError, RuntimeError):
+        return sha256, None
+
+
+def artifact_meta_clean(meta: dict[str, Any] | None, *, card: dict[str, Any] | None) -> dict[str, Any]:
+    """{"model_card": ...}: the card the trainer sent with the upload (as meta["model_card"] or as the
+    meta itself), else the one inside the archive; bounded and JSON-safe."""
+    import json
+
+    out: dict[str, Any] = {}
+    if isinstance(meta, dict):
+        sent = meta.get("model_card", meta)
+        if isinstance(sent, dict) and sent:
+            out["model_card"] = sent
+    if "model_card" not in out and card:
+        out["model_card"] = card
+    out = _json_clean(out)
+    if len(json.dumps(out, default=str)) > MAX_META_BYTES:
+        raise ValidationError({"meta": f"at most {MAX_META_BYTES} bytes of metadata"})
+    return out
+
+
 def artifact_path(artifact: Artifact) -> Path:
     path = (Path(settings.TLT_ARTIFACT_DIR) / artifact.path).resolve()
     if Path(settings.TLT_ARTIFACT_DIR).resolve() not in path.parents:
         raise PermissionDenied("artifact path escapes the artifact folder")
     return path
-
-
-def run_files_delete(*, run: Run) -> None:
-    shutil.rmtree(artifact_folder(run), ignore_errors=True)
 
 
 def run_fail(*, run_id: uuid.UUID | str, error: str) -> None:

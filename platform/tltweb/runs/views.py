@@ -7,13 +7,13 @@ from urllib.parse import urlencode
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from tltweb.accounts.selectors import team_list_for_user
-from tltweb.runs import downloads, selectors, services
+from tltweb.runs import downloads, evidence, health, selectors, services
 from tltweb.runs.forms import LaunchForm, RunEditForm, SampleFilterForm
 from tltweb.runs.logtext import log_clean
 from tltweb.runs.models import RunState
@@ -124,6 +124,11 @@ def run_detail(request: HttpRequest, run_id: str) -> HttpResponse:
         "has_log": not run.is_active and selectors.run_log_text(run=run) is not None,
         "has_samples": bool(selectors.rollout_sample_steps(run=run)),
         "artifacts": selectors.artifact_list(run=run),
+        "drafter_versions": evidence.drafter_versions(run=run),
+        "latest_drafter": evidence.drafter_latest(run=run),
+        "alerts": evidence.run_alerts(run=run),
+        "partner": evidence.run_partner(run),
+        "long_prompts": evidence.prompt_length_history(run=run),
         "edit_form": RunEditForm(initial={"name": run.name, "tags": ", ".join(run.tags), "notes": run.notes}),
         "metrics_url": reverse("api-run-metrics", args=[run.id]),
         "step_url": reverse("api-run-metrics-step", args=[run.id, 0]).rsplit("/", 1)[0] + "/",
@@ -236,3 +241,66 @@ def run_compare(request: HttpRequest) -> HttpResponse:
         "metric": request.GET.get("metric", "reward/mean"),
     }
     return render(request, "runs/compare.html", ctx)
+
+
+@login_required
+@require_POST
+def run_ab_launch(request: HttpRequest, run_id: str) -> HttpResponse:
+    """One click: the run's baseline control (a TLT run) or TLT treatment (a baseline); then the pair page."""
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="edit")
+    try:
+        partner = services.run_launch_control(user=request.user, run=run)
+    except ConfigError as exc:
+        messages.error(request, "Not launched: " + "; ".join(f"{k}: {v}" for k, v in exc.errors.items()))
+        return redirect("run-detail", run_id=run.id)
+    messages.success(request, f"Launched {partner.name}.")
+    return redirect("run-pair", run_id=run.id)
+
+
+@login_required
+def run_pair(request: HttpRequest, run_id: str) -> HttpResponse:
+    """The A/B pair's page: curves by step and by wall-clock, speedups, Amdahl bound, reward parity."""
+    tlt, base, member = evidence.run_pair_get_for_user(user=request.user, run_id=run_id)
+    ctx = {
+        "run_id": run_id,
+        "tlt": tlt,
+        "base": base,
+        "summary": evidence.ab_summary(tlt=tlt, base=base),
+        "pair_url": reverse("api-run-pair", args=[run_id]),
+        "can_edit": member.allows("edit"),
+        "parity_alpha": evidence.PARITY_ALPHA,
+        "parity_min_steps": evidence.PARITY_MIN_STEPS,
+    }
+    return render(request, "runs/pair.html", ctx)
+
+
+@login_required
+def run_drafter_latest(request: HttpRequest, run_id: str) -> HttpResponse:
+    run, _ = selectors.run_get_for_user(user=request.user, run_id=run_id, need="view")
+    latest = evidence.drafter_latest(run=run)
+    if latest is None:
+        raise Http404("this run has no drafter yet")
+    return downloads.artifact_response(latest)
+
+
+@login_required
+def team_drafters(request: HttpRequest, team_id: int) -> HttpResponse:
+    team, groups = evidence.team_drafters_for_user(user=request.user, team_id=team_id)
+    return render(request, "runs/team_drafters.html", {"team": team, "groups": groups})
+
+
+@login_required
+@require_POST
+def team_webhook(request: HttpRequest, team_id: int) -> HttpResponse:
+    from django.core.exceptions import ValidationError
+
+    from tltweb.accounts.selectors import team_get_for_user
+
+    team, _ = team_get_for_user(user=request.user, team_id=team_id, need="own")
+    try:
+        health.team_webhook_set(team=team, url=request.POST.get("alert_webhook_url", ""))
+    except ValidationError as exc:
+        messages.error(request, "Not saved: " + "; ".join(exc.messages))
+    else:
+        messages.success(request, "Alert webhook saved." if team.alert_webhook_url else "Alert webhook removed.")
+    return redirect("team-detail", team_id=team.pk)
