@@ -173,6 +173,15 @@ class GRPOSection(_Section):
         1, ge=1, le=1024,
         description="Optimizer steps per RL step: the step's prompt groups are split into this many "
                     "mini-batches (verl's ppo_mini_batch); from the second one the PPO clip bounds the ratio.")
+    learner_ranks: int = Field(
+        0, ge=0, le=1024,
+        description="Learner ranks (Ray actors sharding the policy with FSDP2: one per GPU, or per CPU core). "
+                    "0: one per rollout worker's device when colocated, else one per CPU core (GPU: 1).")
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="colocated: learner rank i shares rollout worker i's device (half of its slot each; "
+                    "the phases take turns); separate: the learner ranks get devices of their own.")
+    sync_bucket_mb: int = Field(64, ge=1, le=4096, description="Size of a weight-sync bucket (MiB).")
     micro_batch: int = Field(8, ge=1, description="Most sequences per learner forward.")
     micro_batch_tokens: int = Field(
         4096, ge=16, le=10_000_000,
