@@ -87,6 +87,9 @@ class TaskSection(_Section):
 class RolloutSection(_Section):
     engine: Literal["builtin", "vllm"] = Field("builtin", description="builtin: PyTorch reference engine; vllm: GPU nodes.")
     num_workers: int = Field(2, ge=1, le=1024, description="Rollout workers (Ray actors), one GPU or one CPU each.")
+    timeout_s: float = Field(
+        1800.0, gt=0, le=86_400,
+        description="Longest a step's rollout (or weight sync) may take on a worker before it is taken for hung.")
     samples_per_prompt: int = Field(
         4, ge=2, le=256, description="GRPO group size n (>= 2: advantages are relative to the group).")
     max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")

@@ -22,7 +22,6 @@ the run) instead of hanging them.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from datetime import timedelta
@@ -143,6 +142,12 @@ class LearnerRankImpl:
         self._saving = dcp.async_save(self._state(), checkpoint_id=folder, process_group=self._ckpt_group)
         return True
 
+    def saved(self) -> bool:
+        """True when no sharded write is in progress (re-raises a failed one)."""
+        if self._saving is not None and self._saving.done():
+            self.wait_saved()
+        return self._saving is None
+
     def wait_saved(self) -> bool:
         saving, self._saving = self._saving, None
         if saving is not None:
@@ -236,6 +241,9 @@ class LearnerGroup:
 
     def wait_saved(self) -> None:
         self._all("wait_saved")
+
+    def saved(self) -> bool:
+        return all(self._all("saved"))
 
     def load(self, folder: str | Path) -> None:
         self._all("load", str(folder))

@@ -310,6 +310,7 @@ class RolloutWorkerImpl:
         if self.spot:
             self._get_trainer()  # the optimizer's first construction imports a lot: not on the idle clock
         self._bandit = None
+        self.drafter_version = 0  # the version of the last drafter manifest loaded (0: none)
         self._record_cache: dict = {}
         self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
         self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}",
@@ -358,21 +359,35 @@ class RolloutWorkerImpl:
 
     # --- weights ------------------------------------------------------------------------------
 
-    def load_weights(self, policy_state: dict | None, drafter_state: dict | None) -> bool:
+    def load_weights(self, policy, drafter) -> int:
+        """The step's weights: weight_sync manifests (buckets the learner / the driver published), or
+        plain state dicts (tests, tools). Strict: a sync that does not cover the model fails here.
+        A drafter manifest whose version this worker already holds is skipped. Returns bytes read."""
+        from .weight_sync import Manifest, receive
+
         self._join_spot()  # the last step's spot training was preempted; it may not touch the new weights
-        if policy_state is not None:
-            self.policy.load_state_dict(policy_state, strict=False)
-            if self.policy.config.tie_word_embeddings:
-                self.policy.lm_head.weight = self.policy.model.embed_tokens.weight
-        if drafter_state:
-            self.drafter.load_state_dict(drafter_state)
+        nbytes = 0
+        if isinstance(policy, Manifest):
+            nbytes += receive(policy, dict(self.policy.named_parameters()))
+        elif policy is not None:
+            self.policy.load_state_dict(policy, strict=True)
+        if policy is not None and self.policy.config.tie_word_embeddings:
+            self.policy.lm_head.weight = self.policy.model.embed_tokens.weight
+        drafter_changed = False
+        if isinstance(drafter, Manifest):
+            if drafter.version != self.drafter_version:
+                nbytes += receive(drafter, self.drafter.state_dict())
+                self.drafter_version, drafter_changed = drafter.version, True
+        elif drafter:
+            self.drafter.load_state_dict(drafter)
+            drafter_changed = True
         if self.engine is not None:  # in place, no restart; the drafter after each step's spot training
-            if policy_state is not None:
+            if policy is not None:
                 self.engine.update_policy(self.policy)
-            if drafter_state and self.cfg.run.tlt:
+            if drafter_changed and self.cfg.run.tlt:
                 self.engine.update_drafter(self.drafter)
         self._record_cache.clear()
-        return True
+        return nbytes
 
     def worker_state(self) -> dict[str, Any]:
         """What a resumed run needs from this worker, as plain picklable data for checkpoints: the SD
@@ -440,6 +455,7 @@ class RolloutWorkerImpl:
             "harvested": res.hidden is not None,  # False: the driver harvests from the learner's pass
             "drafter_intervals": [],
             "drafter_steps": 0,
+            "drafter_version": self.drafter_version,  # the drafter this rollout drafted with
         }
         if tlt and self.spot:  # the rollout goes to the driver now; records and spot training follow in the background
             self._preempted.clear()

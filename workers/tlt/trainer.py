@@ -9,19 +9,26 @@
 
 One step:
 
-    sync     policy + drafter weights -> ray.put once -> every worker loads them
+    sync     the learner ranks publish the policy in buckets (shared memory on one node), the driver
+             the drafter when it changed; the driver forwards only the manifests, workers copy in
     rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); a worker that
              finishes reports idle to the coordinator and trains the drafter on the online buffer
              until the last worker finishes: then the driver preempts every drafter update in flight
     reward   the task scores every response
-    learner  GRPO update in this process (its forward gives the old log-probs, and the hidden states
-             when the rollout engine returns none)
+    learner  GRPO update in the learner group (learner_group.py: FSDP2 ranks on Ray; its forward gives
+             the old log-probs, and the hidden states when the rollout engine returns none)
     buffer   the master drafter and the workers' spot-training results are collected; this step's
              harvested (tokens, hidden) records join the online buffer
     + metrics (rollout/*, spec/*, drafter/*, idle/*, timing_s/*, learner/*) and checkpoints
 
 Ray: inside a Ray job (RAY_ADDRESS set) the driver joins that cluster; otherwise it starts a local
-instance sized to the machine. Rollout workers ask for num_gpus=1 on CUDA configs, num_cpus=1 here.
+instance sized to the machine. One placement group holds a bundle per device (GPU + CPU on CUDA
+configs, one CPU here): colocated, rollout worker i and learner rank i share bundle i (half each;
+their phases take turns), separate, the ranks get bundles of their own. A run that asks for more
+than the cluster has fails at once, naming what is missing.
+
+The driver keeps a copy of the policy for the drafter warm-up and the exports only; it is refreshed
+from the learner's published buckets when a checkpoint or the final export needs it.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import torch
 from .accounting import Accounting, WorkerTimes
 from .checkpoint import CheckpointManager, capture_rng, restore_rng
 from .config import TLTConfig
-from .grpo import GRPOLearner, RolloutBatch
+from .grpo import RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
 from .policies import prepare_policy_folder
@@ -131,6 +138,17 @@ class Trainer:
         self.step = 0
         self.workers: list[Any] = []
         self.coordinator = None
+        self.learner_group = None  # learner_group.LearnerGroup, started with the actors
+        self._pg = None  # the run's placement group
+        self._policy_manifest = None  # weight_sync.Manifest of the latest published policy
+        self._policy_version = -1  # the learner's update count it holds; -1: none published yet
+        self._drafter_pub = None  # weight_sync.BucketPublisher of the drafter (the driver owns it)
+        self._drafter_manifest = None
+        self._drafter_version = 0
+        self._resume_learner: Path | None = None  # a checkpoint's learner folder, loaded once the group runs
+        self.last_mismatch_hist: dict[str, list] = {}
+        self._learner_updates = 0  # GRPO updates since the start (or the resumed checkpoint's step)
+        self._drafter_changed = True
         self._started_ray = False
         self.ckpt = CheckpointManager(self.out / "checkpoints")
         self.acct = Accounting()
@@ -166,7 +184,6 @@ class Trainer:
         dtype = getattr(torch, cfg.model.dtype)
         self.policy = Transformer.from_pretrained(self.policy_folder, dtype=dtype, device=self.device)
         self.eos_ids = sorted({self.task.eos_id, *self.policy.config.eos_ids})
-        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id, sampling=sampling_params(cfg.rollout))
         self.prompt_rng = random.Random(cfg.run.seed)
 
         from .buffer import DrafterBuffer
@@ -214,19 +231,30 @@ class Trainer:
         self.warmup_info = info
 
     def _start_actors(self) -> None:
+        from .learner_group import LearnerGroup
+        from .placement import plan_placement
         from .ray_workers import Coordinator, RolloutWorker
 
-        W = self.cfg.rollout.num_workers
+        cfg = self.cfg
+        W = cfg.rollout.num_workers
         self._started_ray = ensure_ray(num_cpus=max(W, os.cpu_count() or 1))
-        self.coordinator = Coordinator.remote(W, seed=self.cfg.run.seed)
         gpu = self.device == "cuda"
-        opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 1}
+        plan = plan_placement(cfg, gpu=gpu)
+        self._pg = plan.reserve()  # fails fast (naming what is missing) when the cluster is too small
+        self.coordinator = Coordinator.remote(W, seed=cfg.run.seed)
         actor = self.worker_actor or RolloutWorker
         self.workers = [
-            actor.options(**opts).remote(i, self.policy.config, self.cfg, self.coordinator,
-                                                 device="cuda" if gpu else "cpu", threads=1)
+            actor.options(**plan.worker_options(self._pg, i)).remote(
+                i, self.policy.config, cfg, self.coordinator, device="cuda" if gpu else "cpu", threads=1)
             for i in range(W)
         ]
+        self.learner_group = LearnerGroup.start(
+            cfg, self.policy_folder, pad_id=self.task.pad_id, world=plan.learner_ranks,
+            device="cuda" if gpu else "cpu", actor_options=[plan.rank_options(self._pg, r)
+                                                            for r in range(plan.learner_ranks)],
+            threads=plan.rank_threads)
+        if self._resume_learner is not None:
+            self.learner_group.load(self._resume_learner)
         ray.get([w.load_worker_state.remote(s) for w, s in zip(self.workers, self.worker_states)])
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -240,9 +268,14 @@ class Trainer:
         st = data["state"]
         fresh = Transformer.from_pretrained(data["policy_dir"], dtype=self.policy.dtype, device=self.device)
         self.policy.load_state_dict(fresh.state_dict())
-        self.learner.load_state_dict(st["learner"])
+        if (latest / "learner").is_dir():  # sharded weights + AdamW (DCP), at any world size
+            self._resume_learner = latest / "learner"
+        else:  # a checkpoint from before the learner group: its weights only, a fresh optimizer
+            log.warning("%s has no sharded learner state: resuming its weights with a fresh optimizer", latest)
+            self.policy_folder = data["policy_dir"]
         self.drafter.load_state_dict(data["drafter"])
         self.step = int(st["step"])
+        self._learner_updates = self.step
         self.prompt_rng.setstate(st["prompt_rng"])
         restore_rng(st["rng"])
         from .buffer import DrafterBuffer
@@ -255,8 +288,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.worker_states = ray.get([w.worker_state.remote() for w in self.workers])
+        self._refresh_driver_policy()  # the HF folder of the checkpoint (downloads, exports)
         state = {
-            "learner": self.learner.state_dict(),
             "prompt_rng": self.prompt_rng.getstate(),
             "rng": capture_rng(),
             "buffer": self.buffer.state_dict(),
@@ -266,8 +299,10 @@ class Trainer:
         }
         step = self.step
         export = self._export_drafter if self.tlt else None
+        group = self.learner_group
         self.ckpt.save(step, policy=self.policy, state=state, drafter_state=self.drafter_state,
-                       after_drafter=export)
+                       after_drafter=export, sharded=lambda f: group.save(f / "learner"),
+                       sharded_done=group.saved)
 
     def _export_drafter(self, folder: Path) -> tuple[str, int, Path] | None:
         """Runs in the checkpoint thread: vLLM EAGLE folder + zip, announced from the main thread."""
@@ -288,13 +323,44 @@ class Trainer:
 
     # --- a step -------------------------------------------------------------------------------
 
-    def _sync(self):
-        """Push the policy and drafter to every worker; returns the drafter's object reference."""
-        policy_state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
-        pref = ray.put(policy_state)
+    def _publish_policy(self):
+        """The learner's current weights in buckets (once per update: the sync and a checkpoint share it)."""
+        if self._policy_version != self._learner_updates:
+            self._policy_manifest = self.learner_group.publish(self._learner_updates)
+            self._policy_version = self._learner_updates
+        return self._policy_manifest
+
+    def _refresh_driver_policy(self) -> None:
+        from .weight_sync import receive
+
+        manifest = self._publish_policy()
+        receive(manifest, dict(self.policy.named_parameters()))
+
+    def _publish_drafter(self):
+        """The drafter in buckets, a new version whenever its weights changed."""
+        from .weight_sync import BucketPublisher
+
+        if self._drafter_pub is None:
+            self._drafter_pub = BucketPublisher("drafter", self.cfg.grpo.sync_bucket_mb << 20)
+        if self._drafter_manifest is None or self._drafter_changed:
+            self._drafter_version += 1
+            self._drafter_manifest = self._drafter_pub.publish(self._drafter_version, self.drafter_state.items())
+            self._drafter_changed = False
+        return self._drafter_manifest
+
+    def _sync(self) -> tuple[Any, dict[str, float]]:
+        """Policy and drafter to every worker, as bucket manifests (the driver never holds the policy's
+        bytes); returns the drafter's object reference (spot training's master) and sync/* scalars."""
+        from .learner_group import get_all
+
+        policy = self._publish_policy()
+        drafter = self._publish_drafter() if self.tlt else None
+        got = get_all([w.load_weights.remote(policy, drafter) for w in self.workers], self.cfg.rollout.timeout_s,
+                      "weight sync to the rollout workers")
         dref = ray.put(self.drafter_state if self.tlt else None)
-        ray.get([w.load_weights.remote(pref, dref) for w in self.workers])
-        return dref
+        return dref, {"sync/bytes": float(sum(int(g) for g in got)),
+                      "sync/policy_bytes": float(policy.nbytes), "sync/buckets": float(len(policy.buckets)),
+                      "drafter/published_version": float(self._drafter_version if self.tlt else 0)}
 
     def _prev_records_ref(self):
         """Previous step's long responses (upper half by length) from the online buffer; all of
@@ -320,7 +386,7 @@ class Trainer:
         rows = [p.ids for p in prompts for _ in range(n)]  # group order: prompt g -> rows g*n..g*n+n-1
 
         with self.acct.phase("sync"):
-            drafter_ref = self._sync()
+            drafter_ref, sync_scalars = self._sync()
 
         W = len(self.workers)
         shards = [list(s) for s in np.array_split(np.arange(len(prompts)), W)]
@@ -333,10 +399,14 @@ class Trainer:
                 refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
             if self.spot:  # while the workers generate; they wait for it only when they report done
                 begun = self.coordinator.begin_step.remote(step, drafter_ref, self._prev_records_ref())
-            results = ray.get(refs)
+            from .learner_group import get_all
+
+            results = get_all(refs, cfg.rollout.timeout_s, f"step {step} rollout")
             if self.spot:  # the rollout is over: stop spot training now; collect it after the learner
                 for w in self.workers:
                     w.preempt.remote()
+                # begin_step first: the coordinator is a threaded actor, where a later call may run first
+                ray.get(begun)
                 finished = self.coordinator.finish.remote()
 
         self.last_results = results
@@ -361,20 +431,21 @@ class Trainer:
         with self.acct.phase("learner"):
             batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
                                  rollout_logprobs=logprobs)
-            learner_metrics = self.learner.step(batch, harvest_hidden=from_learner)
+            learner_metrics, self.last_mismatch_hist, learner_hidden = self.learner_group.step(
+                batch, harvest_hidden=from_learner)
+            self._learner_updates += 1
 
         drafter_stats: dict[str, float] = {}
         with self.acct.phase("buffer"):
             if self.spot:  # the workers' records and spot training, and the master drafter (long done by now)
-                ray.get(begun)
                 self.drafter_state, drafter_stats = ray.get(finished)
+                self._drafter_changed = drafter_stats.get("drafter/updates", 0.0) > 0
                 for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
                     r.update(spot)
             if from_learner:  # they reach the coordinator with the next step's begin_step
-                for prompt, resp, hid in zip(rows, tokens, self.learner.last_hidden or []):
+                for prompt, resp, hid in zip(rows, tokens, learner_hidden or []):
                     if resp:
                         self.buffer.add(list(prompt) + list(resp), hid, len(prompt), step)
-                self.learner.last_hidden = None
             elif self.spot:
                 for res in results:
                     for ref in res["records"] or []:
@@ -397,6 +468,10 @@ class Trainer:
         scalars.update(learner_metrics)
         scalars.update(idle_scalars)
         scalars.update(drafter_stats)  # loss/accuracy only when an update was applied: no fake zeros
+        scalars.update(sync_scalars)
+        # workers that drafted with another drafter than the published one (0: none; baselines draft never)
+        scalars["drafter/stale_workers"] = float(sum(
+            r.get("drafter_version") != self._drafter_version for r in results)) if self.tlt else 0.0
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
         scalars.update(self.acct.timings())
@@ -406,7 +481,7 @@ class Trainer:
                                                   seed=cfg.run.seed),
                   "rollout/prompt_lengths": prompt_lengths([prompts[i // n].text for i in range(len(tokens))],
                                                            lengths, n),
-                  "rollout/logprob_mismatch_hist": self.learner.last_mismatch_hist}
+                  "rollout/logprob_mismatch_hist": self.last_mismatch_hist}
 
         self.tracking.log(step, scalars, series)
         self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
@@ -431,6 +506,7 @@ class Trainer:
         if self.step >= self.cfg.run.steps:
             from .export import export_policy, zip_folder
 
+            self._refresh_driver_policy()
             final = export_policy(self.policy, self.out / "policy", tokenizer=self.policy_folder)
             self.tracking.artifact("policy", self.step, zip_folder(final, self.out / "policy.zip"))
         return self.summary()
@@ -463,7 +539,14 @@ class Trainer:
                 ray.kill(w)
             if self.coordinator is not None:
                 ray.kill(self.coordinator)
-            self.workers, self.coordinator = [], None
+            if self.learner_group is not None:
+                self.learner_group.close()
+            for pub in (self._drafter_pub,):
+                if pub is not None:
+                    pub.close()
+            if self._pg is not None:
+                ray.util.remove_placement_group(self._pg)
+            self.workers, self.coordinator, self.learner_group, self._pg, self._drafter_pub = [], None, None, None, None
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False
