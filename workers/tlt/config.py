@@ -262,10 +262,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "task": {"kind": "math", "prompts_per_step": 128},
         # each worker also keeps a policy copy on its GPU (spot drafter training reads its embedding and
         # LM head): vLLM must not claim the default 90% of the GPU
-        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 8192,
-                    "vllm_gpu_memory_utilization": 0.6},
+        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 4096,
+                    "vllm_gpu_memory_utilization": 0.55},
         "spec": {"threshold": 32},
-        "grpo": {"lr": 1e-6, "micro_batch": 4},
+        # the README's memory plan on 8 x 80 GB: 8 FSDP2 ranks colocated with the 8 rollout workers,
+        # one long row per learner forward (256 prompt + 4096 response tokens)
+        "grpo": {"lr": 1e-6, "learner_ranks": 8, "placement": "colocated", "micro_batch": 1,
+                 "micro_batch_tokens": 4352},
     },
 }
 

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .config import GRPOSection
 from .model import Transformer
 from .sampling import SamplingParams, token_logprobs
+
+if TYPE_CHECKING:  # pydantic stays out of a bare GPU node's imports (gpu_check.py)
+    from .config import GRPOSection
 
 ADV_EPS = 1e-6  # added to the group std; groups whose std is below it get zero advantage
 
