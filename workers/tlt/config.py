@@ -90,6 +90,10 @@ class RolloutSection(_Section):
     timeout_s: float = Field(
         1800.0, gt=0, le=86_400,
         description="Longest a step's rollout (or weight sync) may take on a worker before it is taken for hung.")
+    max_retries: int = Field(
+        1, ge=0, le=10,
+        description="Times a step's rollout is run again after a rollout worker died or hung (the worker "
+                    "is replaced first); then the run fails, naming the worker.")
     samples_per_prompt: int = Field(
         4, ge=2, le=256, description="GRPO group size n (>= 2: advantages are relative to the group).")
     max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")

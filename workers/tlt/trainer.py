@@ -11,9 +11,11 @@ One step:
 
     sync     the learner ranks publish the policy in buckets (shared memory on one node), the driver
              the drafter when it changed; the driver forwards only the manifests, workers copy in
-    rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); a worker that
-             finishes reports idle to the coordinator and trains the drafter on the online buffer
-             until the last worker finishes: then the driver preempts every drafter update in flight
+    rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); the driver
+             waits with ray.wait: a worker whose shard is in packs its records and gets drafter
+             updates to train (spot.py's rounds) until the last shard is in; then the driver preempts
+             every update in flight. A worker that dies or hangs is replaced and the rollout rerun;
+             spot training that fails leaves the run on SD without retraining (drafter/spot_failed)
     reward   the task scores every response
     learner  GRPO update in the learner group (learner_group.py: FSDP2 ranks on Ray; its forward gives
              the old log-probs, and the hidden states when the rollout engine returns none)
@@ -112,6 +114,24 @@ def length_scalars(lengths: list[int]) -> dict[str, float]:
 # --- the trainer ------------------------------------------------------------------------------
 
 
+class WorkerFault(RuntimeError):
+    """Rollout workers died or hung during a step (their indices in `workers`)."""
+
+    def __init__(self, workers: list[int], message: str):
+        super().__init__(message)
+        self.workers = workers
+
+
+@dataclass
+class _Spot:
+    """One step's spot training while its answers are still out: the schedule, the outstanding calls
+    (ObjectRef -> (kind, worker)) and the packs that came back ({worker: pack()})."""
+
+    rounds: Any  # spot.SpotRounds
+    pending: dict[Any, tuple[str, int]]
+    packs: dict[int, dict]
+
+
 @dataclass
 class StepOutput:
     step: int
@@ -131,13 +151,15 @@ class Trainer:
         self.tracking = tracking
         self.resume = resume
         self.progress = progress
-        self.worker_actor = worker_actor  # Ray actor class of rollout workers (default ray_workers.RolloutWorker)
+        # Ray actor class of rollout workers (default ray_workers.RolloutWorker; others: ray_workers.worker_actor(cls))
+        self.worker_actor = worker_actor
         self.tlt = cfg.run.tlt  # SD in the tail
         self.spot = self.tlt and cfg.drafter.spot_training  # and the drafter trained on idle workers
         self.device = resolve_device(cfg)
         self.step = 0
         self.workers: list[Any] = []
-        self.coordinator = None
+        self._spot_failed = False  # spot training failed once: the run goes on with SD, without retraining
+        self.worker_retries = 0  # rollouts run again after a worker died or hung
         self.learner_group = None  # learner_group.LearnerGroup, started with the actors
         self._pg = None  # the run's placement group
         self._policy_manifest = None  # weight_sync.Manifest of the latest published policy
@@ -233,7 +255,7 @@ class Trainer:
     def _start_actors(self) -> None:
         from .learner_group import LearnerGroup
         from .placement import plan_placement
-        from .ray_workers import Coordinator, RolloutWorker
+        from .ray_workers import RolloutWorker
 
         cfg = self.cfg
         W = cfg.rollout.num_workers
@@ -241,13 +263,8 @@ class Trainer:
         gpu = self.device == "cuda"
         plan = plan_placement(cfg, gpu=gpu)
         self._pg = plan.reserve()  # fails fast (naming what is missing) when the cluster is too small
-        self.coordinator = Coordinator.remote(W, seed=cfg.run.seed)
-        actor = self.worker_actor or RolloutWorker
-        self.workers = [
-            actor.options(**plan.worker_options(self._pg, i)).remote(
-                i, self.policy.config, cfg, self.coordinator, device="cuda" if gpu else "cpu", threads=1)
-            for i in range(W)
-        ]
+        self._plan, self._worker_cls = plan, RolloutWorker
+        self.workers = [self._new_worker(i) for i in range(W)]
         self.learner_group = LearnerGroup.start(
             cfg, self.policy_folder, pad_id=self.task.pad_id, world=plan.learner_ranks,
             device="cuda" if gpu else "cpu", actor_options=[plan.rank_options(self._pg, r)
@@ -390,24 +407,10 @@ class Trainer:
 
         W = len(self.workers)
         shards = [list(s) for s in np.array_split(np.arange(len(prompts)), W)]
+        shard_rows = [[rows[g * n + j] for g in shard for j in range(n)] for shard in shards]
         with self.acct.phase("rollout"):
             t0 = time.time()
-            refs = []
-            for i, (w, shard) in enumerate(zip(self.workers, shards)):
-                shard_rows = [rows[g * n + j] for g in shard for j in range(n)]
-                seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
-                refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
-            if self.spot:  # while the workers generate; they wait for it only when they report done
-                begun = self.coordinator.begin_step.remote(step, drafter_ref, self._prev_records_ref())
-            from .learner_group import get_all
-
-            results = get_all(refs, cfg.rollout.timeout_s, f"step {step} rollout")
-            if self.spot:  # the rollout is over: stop spot training now; collect it after the learner
-                for w in self.workers:
-                    w.preempt.remote()
-                # begin_step first: the coordinator is a threaded actor, where a later call may run first
-                ray.get(begun)
-                finished = self.coordinator.finish.remote()
+            results, spot = self._rollout_with_retry(step, shard_rows)
 
         self.last_results = results
         tokens: list[list[int]] = []
@@ -426,7 +429,7 @@ class Trainer:
             rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
 
         # an engine without hidden states (vLLM): the learner's old-log-prob pass computes them anyway
-        from_learner = self.spot and not all(r["harvested"] for r in results)
+        from_learner = spot is not None and not all(r["harvested"] for r in results)
         self._records_from_learner = from_learner
         with self.acct.phase("learner"):
             batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
@@ -437,24 +440,31 @@ class Trainer:
 
         drafter_stats: dict[str, float] = {}
         with self.acct.phase("buffer"):
-            if self.spot:  # the workers' records and spot training, and the master drafter (long done by now)
-                self.drafter_state, drafter_stats = ray.get(finished)
-                self._drafter_changed = drafter_stats.get("drafter/updates", 0.0) > 0
-                for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
-                    r.update(spot)
-            if from_learner:  # they reach the coordinator with the next step's begin_step
+            packs: dict[int, dict] = {}
+            if spot is not None:  # spot training's last answers and the master drafter (long done by now)
+                drafter_stats, packs = self._finish_spot(spot)
+            if from_learner:  # they join the spot training of the next step
                 for prompt, resp, hid in zip(rows, tokens, learner_hidden or []):
                     if resp:
                         self.buffer.add(list(prompt) + list(resp), hid, len(prompt), step)
-            elif self.spot:
-                for res in results:
-                    for ref in res["records"] or []:
+            elif spot is not None:
+                for i in range(W):  # the workers that never packed during the rollout (the last ones)
+                    if i not in packs:
+                        packs[i] = self._call_worker(i, "pack")
+                for i in sorted(packs):
+                    for ref in packs[i]["records"] or []:
                         for r in ray.get(ref):
                             self.buffer.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
+            if not self.spot or spot is None:
+                drafter_stats.setdefault("drafter/steps", 0.0)
+            if self.spot:  # the warning: spot training failed and the run goes on with SD only
+                drafter_stats["drafter/spot_failed"] = 1.0 if self._spot_failed else 0.0
 
         # --- metrics ---
-        times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
-                             [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
+        trained = spot.rounds.trained_intervals if spot is not None else {}
+        times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"], drafter=trained.get(r["worker"], []),
+                             pack=[tuple(packs[r["worker"]]["interval"])] if r["worker"] in packs else [])
+                 for r in results]
         idle_scalars, timeline = self.acct.rollout(t0, times)
         rollout = RolloutMetrics.merge([RolloutMetrics.from_dict(r["metrics"]) for r in results],
                                        [r["gen_start"] - t0 for r in results])
@@ -495,6 +505,135 @@ class Trainer:
             self.progress(step, scalars)
         return out
 
+    # --- the rollout, spot training and faults (the driver's control flow, with ray.wait) ----------
+
+    def _rollout_with_retry(self, step: int, shard_rows: list[list[list[int]]]) -> tuple[list[dict], Any]:
+        """The step's rollout; a rollout worker that dies or hangs (rollout.timeout_s) is replaced by
+        a fresh one, the weights synced again and the step's rollout run again (same seeds, so the
+        same samples), up to rollout.max_retries times; then the run fails naming the worker."""
+        for attempt in range(self.cfg.rollout.max_retries + 1):
+            try:
+                return self._rollout(step, shard_rows)
+            except WorkerFault as fault:
+                for w in self.workers:  # the survivors' spot updates end now (a rerun queues behind them)
+                    w.preempt.remote()
+                if attempt == self.cfg.rollout.max_retries:
+                    raise
+                log.warning("step %d: %s; restarting worker(s) %s and retrying the step's rollout",
+                            step, fault, fault.workers)
+                self._restart_workers(fault.workers)
+                self.worker_retries += 1
+        raise AssertionError("unreachable")
+
+    def _rollout(self, step: int, shard_rows: list[list[list[int]]]) -> tuple[list[dict], Any]:
+        """Rollouts out, then ray.wait: each worker whose shard is in packs its records and trains the
+        drafter in the rounds spot.SpotRounds schedules until the last shard is in; then every worker
+        is preempted. Returns the results and the spot state still to collect (or None)."""
+        from .spot import SpotRounds
+
+        cfg = self.cfg
+        W = len(self.workers)
+        pending: dict[Any, tuple[str, int]] = {}
+        for i, w in enumerate(self.workers):
+            seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
+            pending[w.rollout.remote(step, shard_rows[i], self.eos_ids, seed, self.tlt)] = ("rollout", i)
+        rounds = None
+        if self.spot and not self._spot_failed:
+            rounds = SpotRounds(W, self.drafter_state, self._prev_records_ref(), seed=cfg.run.seed, step=step,
+                                update_steps=cfg.drafter.spot_update_steps, put=ray.put)
+        spot = _Spot(rounds, pending, {}) if rounds is not None else None
+        results: list[dict | None] = [None] * W
+        deadline = time.monotonic() + cfg.rollout.timeout_s
+        while any(r is None for r in results):
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [i for i, r in enumerate(results) if r is None]
+                raise WorkerFault(late, f"rollout of step {step} still running after {cfg.rollout.timeout_s:.0f} s")
+            kind, i = pending.pop(ready[0])
+            try:
+                out = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                if kind == "rollout":
+                    raise WorkerFault([i], f"rollout worker {i} failed: {type(exc).__name__}: {exc}") from exc
+                self._spot_failure(spot, i, exc)
+                continue
+            if kind == "rollout":
+                results[i] = out
+                if spot is not None and not self._spot_failed and any(r is None for r in results):
+                    pending[self.workers[i].pack.remote()] = ("pack", i)
+            elif kind == "pack" and spot is not None:
+                spot.packs[i] = out
+                self._send(spot, rounds.add_data(out["records"] or []) + rounds.idle(i))
+            elif kind == "update" and spot is not None:
+                self._send(spot, rounds.done(i, out))
+        if spot is not None:  # the rollout is over: stop spot training now; collect it after the learner
+            rounds.preempt()
+            for w in self.workers:
+                w.preempt.remote()
+        return results, spot
+
+    def _send(self, spot: "_Spot", jobs: list[tuple[int, dict]]) -> None:
+        for i, job in jobs:
+            spot.pending[self.workers[i].spot_update.remote(job)] = ("update", i)
+
+    def _finish_spot(self, spot: "_Spot") -> tuple[dict[str, float], dict[int, dict]]:
+        """The preempted updates' and packs' answers (each worker stops at its next micro-batch), then
+        the master drafter; spot training that fails degrades the run to SD without retraining."""
+        left = [ref for ref, (kind, _) in spot.pending.items() if kind in ("update", "pack")]
+        if left:
+            ray.wait(left, num_returns=len(left), timeout=self.cfg.rollout.timeout_s)
+        for ref in left:
+            kind, i = spot.pending.pop(ref)
+            try:
+                out = ray.get(ref, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - failed or still hung: spot training is what fails
+                self._spot_failure(spot, i, exc)
+                continue
+            if kind == "pack":
+                spot.packs[i] = out
+            else:
+                spot.rounds.done(i, out)
+        master, stats = spot.rounds.finish()
+        if not self._spot_failed:
+            self.drafter_state = master
+            self._drafter_changed = stats.get("drafter/updates", 0.0) > 0
+        return stats, spot.packs
+
+    def _spot_failure(self, spot: "_Spot | None", worker: int, exc: BaseException) -> None:
+        if not self._spot_failed:
+            log.warning("spot drafter training failed on worker %d (%s: %s): the run goes on with SD and the "
+                        "current drafter, without retraining it (drafter/spot_failed)", worker,
+                        type(exc).__name__, exc)
+        self._spot_failed = True
+        if spot is not None:
+            spot.rounds.preempt()
+        for w in self.workers:
+            w.preempt.remote()
+
+    def _call_worker(self, i: int, method: str, *args) -> Any:
+        from .learner_group import get_all
+
+        return get_all([getattr(self.workers[i], method).remote(*args)], self.cfg.rollout.timeout_s,
+                       f"rollout worker {i} {method}")[0]
+
+    def _new_worker(self, i: int):
+        actor = self.worker_actor or self._worker_cls
+        gpu = self.device == "cuda"
+        return actor.options(**self._plan.worker_options(self._pg, i)).remote(
+            i, self.policy.config, self.cfg, device="cuda" if gpu else "cpu", threads=1)
+
+    def _restart_workers(self, workers: list[int]) -> None:
+        """Fresh actors in the same bundles, with the last checkpoint's worker state; the weights
+        follow with a sync (the new actors hold no drafter version, so they load it too)."""
+        from .learner_group import get_all
+
+        for i in workers:
+            ray.kill(self.workers[i], no_restart=True)
+            self.workers[i] = self._new_worker(i)
+        get_all([self.workers[i].load_worker_state.remote(self.worker_states[i]) for i in workers],
+                self.cfg.rollout.timeout_s, "restarted rollout workers")
+        self._sync()
+
     def _decode_token(self, token_id: int) -> str:
         return self.task.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -530,15 +669,13 @@ class Trainer:
         finally:
             try:  # vLLM engines: shut down, exported folders removed (a step cut short: wait a little only)
                 if self.cfg.rollout.engine == "vllm" and self.workers:
-                    if self.coordinator is not None:  # ends spot training a cut-short step never preempted
-                        ray.get(self.coordinator.preempt.remote(), timeout=5)
+                    for w in self.workers:  # ends spot training a cut-short step never preempted
+                        w.preempt.remote()
                     ray.get([w.close.remote() for w in self.workers], timeout=20)
             except Exception as exc:  # a busy, dead or stuck actor: kill it anyway
                 log.warning("closing rollout workers: %s", exc)
             for w in self.workers:
                 ray.kill(w)
-            if self.coordinator is not None:
-                ray.kill(self.coordinator)
             if self.learner_group is not None:
                 self.learner_group.close()
             for pub in (self._drafter_pub,):
@@ -546,7 +683,7 @@ class Trainer:
                     pub.close()
             if self._pg is not None:
                 ray.util.remove_placement_group(self._pg)
-            self.workers, self.coordinator, self.learner_group, self._pg, self._drafter_pub = [], None, None, None, None
+            self.workers, self.learner_group, self._pg, self._drafter_pub = [], None, None, None
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False
