@@ -60,6 +60,7 @@ class LearnerGroup:
         self.bucket_bytes = bucket_bytes
         self.shared_memory = shared_memory
         self.timeout_s = timeout_s
+        self.failed = False  # a call failed (a rank died or hung): close() kills instead of asking
 
     @classmethod
     def start(cls, cfg, policy_folder: str | Path, pad_id: int, world: int, device: str = "cpu",
@@ -74,8 +75,12 @@ class LearnerGroup:
         return cls(ranks, cfg.grpo.sync_bucket_mb << 20, shared_memory, timeout_s)
 
     def _all(self, method: str, *args, what: str | None = None) -> list:
-        return get_all([getattr(r, method).remote(*args) for r in self.ranks], self.timeout_s,
-                       what or f"learner {method}")
+        try:
+            return get_all([getattr(r, method).remote(*args) for r in self.ranks], self.timeout_s,
+                           what or f"learner {method}")
+        except Exception:
+            self.failed = True  # the peers of a dead rank wait in a collective: nothing to ask them
+            raise
 
     def step(self, batch, harvest_hidden: bool = False) -> tuple[dict[str, float], dict[str, list], list | None]:
         """One GRPO update: (metrics, mismatch histogram, hidden states per row or None)."""
@@ -109,7 +114,8 @@ class LearnerGroup:
 
     def close(self) -> None:
         try:
-            get_all([r.close.remote() for r in self.ranks], 60.0, "closing the learner ranks")
+            if not self.failed:
+                get_all([r.close.remote() for r in self.ranks], 60.0, "closing the learner ranks")
         except Exception as exc:  # noqa: BLE001 - a dead rank: kill the rest anyway
             log.warning("closing learner ranks: %s", exc)
         for r in self.ranks:
