@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.tlt.bench import amdahl_bound, e2e, parse_overrides
+from workers.tlt.bench import _Eta, amdahl_bound, e2e, parse_overrides
 
 # the same tiny shape as test_trainer.py (its SFT'd policy is cached and shared)
 TINY = {
@@ -29,6 +29,17 @@ def test_the_amdahl_bound_is_what_a_rollout_speedup_allows():
     assert amdahl_bound(1.0, 3.0) == pytest.approx(3.0)
     assert amdahl_bound(0.75, 1.8) == pytest.approx(1.5)  # the headline goal's corner
     assert amdahl_bound(0.5, 0.0) == 0.0
+
+
+def test_setup_progress_prints_each_phase_with_an_eta_and_leaves_the_steps_to_log(capsys):
+    eta = _Eta("tlt", steps=4, total_steps=8, done_before=4, started=0.0)
+    eta.progress("drafter_warmup", 0, 10, "answers 0/4")
+    eta.progress("drafter_warmup", 5, 10, "answers 4/4")  # within 30 s of the last line: not printed
+    eta.progress("drafter_warmup", 10, 10, "drafter ready")  # a phase's end always is
+    eta.progress("rl", 0, 4, "step 0/4")  # the per-step lines say that
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["[bench e2e] tlt setup: drafter_warmup 0/10 answers 0/4",
+                     "[bench e2e] tlt setup: drafter_warmup 10/10 drafter ready"]
 
 
 def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monkeypatch):

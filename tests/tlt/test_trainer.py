@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import zipfile
 
 import pytest
 import ray
@@ -125,6 +126,27 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
     kinds = {r["artifact"] for r in records if "artifact" in r}
     assert kinds == {"drafter", "policy"}
     assert (out / "policy.zip").exists()
+
+
+def test_every_checkpoint_of_a_tlt_run_audits_sd_and_cards_its_drafter(tlt_run):
+    out, history = tlt_run
+    for h in history:  # checkpoint_interval 1: every step audits
+        assert h.scalars["audit/greedy_identical"] == 1.0
+        assert h.scalars["audit/greedy_prompts"] == 2.0
+        assert h.scalars["audit/acceptance_length"] >= 1.0
+    with zipfile.ZipFile(out / "checkpoints" / f"step_{STEPS:06d}" / "drafter_eagle.zip") as z:
+        name = next(n for n in z.namelist() if n.endswith("model_card.json"))
+        card = json.loads(z.read(name))
+    assert card["rl_step"] == STEPS and card["target_model"] == "tiny"
+    assert card["acceptance_length"] == history[-1].scalars["audit/acceptance_length"]
+    # the warm-up's steps plus the spot updates, at their token budgets
+    assert card["training_tokens"] >= 10 * tiny_cfg().drafter.warmup_batch_tokens
+    assert len(card["target_sha256"]) == 64
+
+
+def test_a_baseline_run_has_no_drafter_to_audit(baseline_run):
+    _, history = baseline_run
+    assert not any(k.startswith("audit/") for h in history for k in h.scalars)
 
 
 def test_sampled_rollouts_and_updates_are_identical_with_tlt_on_and_off(tlt_run, baseline_run, start_policy):

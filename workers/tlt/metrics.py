@@ -68,13 +68,19 @@ SCALAR_KEYS = {
     "learner/loss": "GRPO loss",
     "learner/grad_norm": "gradient norm before clipping",
     "learner/kl": "KL to the reference (0 when disabled)",
+    "audit/greedy_identical": "checkpoint audit: share of held-out prompts whose greedy SD output equals plain "
+                              "decoding token for token (below 1: a losslessness failure)",
+    "audit/greedy_prompts": "checkpoint audit: held-out prompts decoded",
+    "audit/acceptance_length": "checkpoint audit: tokens per verify pass on the held-out prompts (the model card's)",
 }
 
 # scalars a step reports only when it measured them (a chart shows a gap, never a made-up zero):
 # acceptance only when SD verified a draft, each tail speed only when that mode ran in the tail,
-# the drafter's loss and accuracy only when a spot-training update was applied
+# the drafter's loss and accuracy only when a spot-training update was applied, the audit at
+# checkpoints of TLT runs
 WHEN_MEASURED = {"spec/acceptance_length", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
-                 "drafter/loss", "drafter/accuracy"}
+                 "drafter/loss", "drafter/accuracy", "audit/greedy_identical", "audit/greedy_prompts",
+                 "audit/acceptance_length"}
 
 SERIES_KEYS = {
     "rollout/lengths": "list[int]: every response length of the step",

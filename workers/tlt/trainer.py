@@ -179,6 +179,8 @@ class Trainer:
         self._records_from_learner = cfg.rollout.engine == "vllm"  # set from the workers after each step
         self.setup_s: dict[str, float] = {}  # seconds of each setup part (policy, drafter_warmup, actors)
         self.warmup_info: dict[str, Any] = {}  # the drafter warm-up's summary (drafter_warmup.warmup_drafter)
+        self.drafter_tokens = 0  # token budget of every drafter optimizer step so far (model card)
+        self.audit: dict[str, float] = {}  # the last checkpoint's losslessness spot check (audit.spot_check)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -251,6 +253,7 @@ class Trainer:
         self.drafter.load_state_dict(drafter.state_dict())
         self.drafter.eval()
         self.warmup_info = info
+        self.drafter_tokens = info["steps"] * cfg.drafter.warmup_batch_tokens
 
     def _start_actors(self) -> None:
         from .learner_group import LearnerGroup
@@ -300,6 +303,7 @@ class Trainer:
         self.buffer = DrafterBuffer.from_state_dict(st["buffer"])
         self.worker_states = st.get("worker_states") or self.worker_states
         self.acct.load_state_dict(st.get("accounting", {}))
+        self.drafter_tokens = int(st.get("drafter_tokens", 0))
         log.info("resumed from %s (step %d)", latest, self.step)
         return True
 
@@ -312,6 +316,7 @@ class Trainer:
             "buffer": self.buffer.state_dict(),
             "worker_states": self.worker_states,
             "accounting": self.acct.state_dict(),
+            "drafter_tokens": self.drafter_tokens,
             "config": self.cfg.model_dump(mode="json"),
         }
         step = self.step
@@ -322,15 +327,34 @@ class Trainer:
                        sharded_done=group.saved)
 
     def _export_drafter(self, folder: Path) -> tuple[str, int, Path] | None:
-        """Runs in the checkpoint thread: vLLM EAGLE folder + zip, announced from the main thread."""
+        """Runs in the checkpoint thread: vLLM EAGLE folder (with its model card) + zip, announced
+        from the main thread. The card's figures are taken now, on the main thread, for this step."""
         from .drafter import Drafter
-        from .export import export_drafter, zip_folder
+        from .export import export_drafter, model_card, zip_folder
 
+        step = int(folder.name.split("_")[-1])
+        card = model_card(target_name=self.cfg.model.source if self.cfg.model.source != "hf" else self.cfg.model.path,
+                          target_dir=self.policy_folder, rl_step=step, training_tokens=self.drafter_tokens,
+                          depth=max((d for d, _, _ in self.cfg.spec.strategies), default=1),
+                          acceptance_length=self.audit.get("audit/acceptance_length"),
+                          heldout_prompts=int(self.audit.get("audit/greedy_prompts", 0)))
         drafter = Drafter(self.policy.config)
         drafter.load_state_dict(torch.load(folder / "drafter.pt", weights_only=True))
-        step = int(folder.name.split("_")[-1])
-        eagle = export_drafter(drafter, folder / "drafter_eagle")
+        eagle = export_drafter(drafter, folder / "drafter_eagle", card=card)
         return ("drafter", step, zip_folder(Path(eagle), folder / "drafter_eagle.zip"))
+
+    def _spot_check(self) -> dict[str, float]:
+        """audit.spot_check of the policy and master drafter as they are now, on held-out prompts
+        (their own generator, so never this run's training prompts' stream)."""
+        from .audit import spot_check
+        from .rollout import SpecPolicy
+
+        cfg = self.cfg
+        self._refresh_driver_policy()  # the learner's latest weights into the driver's copy
+        self.drafter.load_state_dict(self.drafter_state)
+        prompts = self.task.sample_prompts(cfg.run.audit_prompts, random.Random(cfg.run.seed + 104_729 + self.step))
+        return spot_check(self.policy, self.drafter, [p.ids for p in prompts], self.eos_ids,
+                          SpecPolicy.from_config(cfg.spec), max_new_tokens=cfg.run.audit_max_new_tokens)
 
     def _announce_artifacts(self, results: list[Any]) -> None:
         for r in results:
@@ -443,6 +467,7 @@ class Trainer:
             packs: dict[int, dict] = {}
             if spot is not None:  # spot training's last answers and the master drafter (long done by now)
                 drafter_stats, packs = self._finish_spot(spot)
+                self.drafter_tokens += int(drafter_stats.get("drafter/steps", 0)) * cfg.drafter.batch_tokens
             if from_learner:  # they join the spot training of the next step
                 for prompt, resp, hid in zip(rows, tokens, learner_hidden or []):
                     if resp:
@@ -484,6 +509,12 @@ class Trainer:
             r.get("drafter_version") != self._drafter_version for r in results)) if self.tlt else 0.0
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
+        interval = cfg.run.checkpoint_interval
+        checkpoint = (interval and step % interval == 0) or step == cfg.run.steps
+        if checkpoint and self.tlt and cfg.run.audit_prompts:
+            with self.acct.phase("audit"):
+                self.audit = self._spot_check()
+            scalars.update(self.audit)
         scalars.update(self.acct.timings())
         series = {"rollout/lengths": lengths, "idle/timeline": timeline, **roll_series,
                   "rollout/samples": step_samples([prompts[i // n].text for i in range(len(tokens))], tokens,
@@ -495,8 +526,7 @@ class Trainer:
 
         self.tracking.log(step, scalars, series)
         self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
-        interval = cfg.run.checkpoint_interval
-        if (interval and step % interval == 0) or step == cfg.run.steps:
+        if checkpoint:
             self.save_checkpoint()
         self._announce_artifacts(self.ckpt.completed())
         out = StepOutput(step, scalars, series, tokens, rewards)
