@@ -24,16 +24,24 @@ def test_drafter_training_is_counted_only_inside_the_idle_window():
     workers = [
         WorkerTimes(0, 0.0, 10.0),
         # trains 5..9 and 9.2..10.5: the part after the rollout end (10.0) is not reclaimed idle time
-        WorkerTimes(1, 0.0, 4.0, drafter=[(5.0, 9.0), (9.2, 10.5)], drafter_steps=7),
+        WorkerTimes(1, 0.0, 4.0, drafter=[(5.0, 9.0), (9.2, 10.5)]),
     ]
     scalars, timeline = acct.rollout(0.0, workers)
     assert scalars["idle/worker_s"] == pytest.approx(6.0)
     assert scalars["idle/reclaimed_s"] == pytest.approx(4.8)
     assert scalars["idle/reclaimed_frac"] == pytest.approx(0.8)
-    assert scalars["drafter/steps"] == 7
+    assert "drafter/steps" not in scalars  # the spot schedule writes it, once
     kinds = [s[0] for s in timeline[1]["segments"]]
     assert kinds == ["generate", "idle", "drafter", "idle", "drafter"]
     assert timeline[1]["segments"][-1][2] == pytest.approx(10.0)
+
+
+def test_packing_is_its_own_slice_and_never_reclaimed():
+    acct = Accounting()
+    workers = [WorkerTimes(0, 0.0, 10.0), WorkerTimes(1, 0.0, 4.0, pack=[(4.0, 5.0)], drafter=[(5.5, 7.5)])]
+    scalars, timeline = acct.rollout(0.0, workers)
+    assert scalars["idle/reclaimed_s"] == pytest.approx(2.0)  # optimizer time only
+    assert [s[0] for s in timeline[1]["segments"]] == ["generate", "pack", "idle", "drafter", "idle"]
 
 
 def test_totals_accumulate_over_steps_and_survive_a_checkpoint():

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import threading
-import time
 import zipfile
 
 import pytest
@@ -24,6 +22,7 @@ from workers.tlt.checkpoint import CheckpointManager
 from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, WHEN_MEASURED, JsonlSink, Tracking
 from workers.tlt.model import Transformer
 from workers.tlt.policies import prepare_policy_folder
+from workers.tlt.ray_workers import worker_actor
 from workers.tlt.trainer import Trainer
 
 STEPS = 3
@@ -116,7 +115,7 @@ def test_a_tiny_two_worker_run_emits_every_dashboard_metric_consistently(tlt_run
         assert workers == [0, 1]
         for t in series["idle/timeline"]:
             assert t["segments"][0][0] == "generate"
-            assert all(seg[0] in ("generate", "idle", "drafter") and seg[1] <= seg[2] for seg in t["segments"])
+            assert all(seg[0] in ("generate", "pack", "drafter", "idle") and seg[1] <= seg[2] for seg in t["segments"])
         running = series["rollout/running"]
         assert len(running["t"]) == len(running["running"]) == len(running["sd"])
     assert sum(h.scalars["spec/verify_passes"] for h in history) > 0  # SD ran in the tail
@@ -187,45 +186,42 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tlt_run, tmp_path):
 
 
 def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
-    """Coordinator actor + the real DrafterTrainer: stop mid-training, the master is a whole update."""
+    """A rollout worker actor with the real DrafterTrainer, preempted mid-update by the driver: the
+    update is dropped whole, or it finished first and is whole."""
     from workers.tlt.drafter import Drafter
-    from workers.tlt.drafter_train import DrafterTrainer
-    from workers.tlt.ray_workers import Coordinator, spot_train
+    from workers.tlt.ray_workers import RolloutWorker
     from workers.tlt.sft import build_tiny_model
+    from workers.tlt.spot import SpotRounds
 
     cfg = tiny_cfg()
     policy = build_tiny_model(cfg.model, vocab_size=18, bos_id=1, eos_id=2)
-    drafter = Drafter.for_target(policy)
-    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    start = {k: v.clone() for k, v in Drafter.for_target(policy).state_dict().items()}
     g = torch.Generator().manual_seed(0)
     records = [{"tokens": torch.randint(4, 18, (30,), generator=g), "hidden": torch.randn(30, 64, generator=g).half(),
                 "response_start": 10, "step": 1} for _ in range(8)]
-    for preempt_after in (0.05, 0.3):
-        coord = Coordinator.remote(2)
-        ray.get(coord.begin_step.remote(1, start, [ray.put(records)]))
-        submitted: list[dict] = []
-        trainer = DrafterTrainer(drafter, cfg.drafter)
-        result = {}
-
-        preempted = threading.Event()
-
-        def work():
-            assert ray.get(coord.report_done.remote(0, 1, []))
-            result["out"] = spot_train(0, coord, drafter, trainer, chunk_steps=4, should_stop=preempted.is_set,
-                                       on_update=lambda v, s: submitted.append(s))
-
-        th = threading.Thread(target=work)
-        th.start()
-        time.sleep(preempt_after)
-        ray.get(coord.report_done.remote(1, 1, []))  # the last worker finishes: the driver preempts
-        preempted.set()
-        th.join(timeout=30)
-        master, stats = ray.get(coord.finish.remote())
-        candidates = [start] + submitted
-        assert any(all(torch.equal(master[k], c[k]) for k in master) for c in candidates), \
-            "the master drafter is not a whole update"
-        assert stats["drafter/steps"] == 4 * len(submitted) == result["out"][1]
-        ray.kill(coord)
+    worker = RolloutWorker.options(num_cpus=0).remote(0, policy.config, cfg)
+    ray.get(worker.load_weights.remote(policy.state_dict(), start))
+    try:
+        for preempt_after in (0.05, 3.0):
+            rounds = SpotRounds(2, start, [ray.put(records)], seed=0, step=1, update_steps=4, put=ray.put)
+            [(w, job)] = rounds.idle(0)
+            ref = worker.spot_update.remote(job)
+            ready, _ = ray.wait([ref], timeout=preempt_after)
+            if not ready:  # the last shard came in: the driver preempts (a call that lands mid-update)
+                ray.get(worker.preempt.remote(), timeout=5)
+            out = ray.get(ref, timeout=60)
+            rounds.preempt()  # the rollout is over, as in the driver, before the last answers come in
+            rounds.done(0, out)
+            master, stats = rounds.finish()
+            if out["state"] is None:
+                assert all(torch.equal(master[k], start[k]) for k in master)
+                assert stats["drafter/steps"] == 0 and stats["drafter/dropped_updates"] == 1
+            else:
+                assert all(torch.equal(master[k], out["state"][k]) for k in master)
+                assert stats["drafter/steps"] == 4 and stats["drafter/version"] == 1
+            ray.get(worker.rollout.remote(1, [[1, 5, 6]], [2], 0, False))  # a new step clears the flag
+    finally:
+        ray.kill(worker)
 
 
 def test_the_trainer_reports_its_progress_through_every_phase(tlt_run):
@@ -303,21 +299,19 @@ def vllm_cfg(steps: int = STEPS):
 
 def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in_place():
     from workers.tlt.drafter import Drafter
-    from workers.tlt.ray_workers import CoordinatorImpl, RolloutWorkerImpl
+    from workers.tlt.ray_workers import RolloutWorkerImpl
 
     cfg = vllm_cfg()
     policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
     drafter_state = Drafter.for_target(policy).state_dict()
-    coord = CoordinatorImpl(1)
-    worker = RolloutWorkerImpl(0, policy.config, cfg, coord)
+    worker = RolloutWorkerImpl(0, policy.config, cfg)
     worker.engine_factory = FakeVllmEngine.from_config
     worker.load_weights(policy.state_dict(), drafter_state)
     assert worker.engine is None  # lazily: nothing built (nor vLLM imported) before the first rollout
-    coord.begin_step(1, drafter_state, [])
     out = worker.rollout(1, [[1, 5, 6, 7]] * 2, [2], seed=0, tlt=True)
     engine = worker.engine
     assert (engine.policy_dir / "config.json").exists() and (engine.drafter_dir / "model.safetensors").exists()
-    assert engine.calls["generate"] == 1 and out["harvested"] is False and out["records"] is None
+    assert engine.calls["generate"] == 1 and out["harvested"] is False and worker.pack()["records"] is None
     assert out["tokens"] == [list(t) for t in generate_ref(policy, cfg, [[1, 5, 6, 7]] * 2)]
     worker.load_weights(policy.state_dict(), drafter_state)  # next step's sync: in place, no rebuild
     assert worker.engine is engine and engine.calls["update_policy"] == 1 and engine.calls["update_drafter"] == 1
@@ -347,7 +341,7 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class lives in this test
     cfg = vllm_cfg(steps=1)
     tracking = Tracking([JsonlSink(tmp_path / "metrics.jsonl")])
-    trainer = Trainer(cfg, tmp_path, tracking, worker_actor=ray.remote(num_cpus=1)(FakeVllmWorker))
+    trainer = Trainer(cfg, tmp_path, tracking, worker_actor=worker_actor(FakeVllmWorker))
     try:
         trainer.setup()
         before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}

@@ -5,9 +5,10 @@ NTP-synchronised, far tighter than a rollout). From them:
 
     idle      = for each worker, the time between its own last generated token and the end of the
                 rollout (the moment the last worker finished): it waits for the tail
-    reclaimed = the part of that idle time it spent in spot drafter training
+    reclaimed = the part of that idle time it spent in drafter optimizer steps of updates that were
+                applied (packing records, waiting for a round and dropped updates are not reclaimed)
     timeline  = per worker, segments [kind, start_s, end_s] relative to the rollout start,
-                kind in generate | idle | drafter (what `idle/timeline` draws)
+                kind in generate | pack | drafter | idle (what `idle/timeline` draws)
 
     acct = Accounting()
     with acct.phase("rollout"): ...
@@ -32,8 +33,8 @@ class WorkerTimes:
     worker: int
     gen_start: float
     gen_end: float
-    drafter: list[tuple[float, float]] = field(default_factory=list)  # spot-training intervals
-    drafter_steps: int = 0
+    drafter: list[tuple[float, float]] = field(default_factory=list)  # optimizer time of applied updates
+    pack: list[tuple[float, float]] = field(default_factory=list)  # putting its records in the object store
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -41,16 +42,17 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
 
 
 def worker_timeline(w: WorkerTimes, t0: float, rollout_end: float) -> list[list]:
-    """Segments of one worker from t0 to rollout_end; drafter time is clipped to the idle window."""
+    """Segments of one worker from t0 to rollout_end; pack and drafter time are clipped to the idle window."""
     segs: list[list] = [["generate", w.gen_start - t0, w.gen_end - t0]]
     cursor = w.gen_end
-    for start, end in sorted(w.drafter):
+    busy = sorted([("pack", *iv) for iv in w.pack] + [("drafter", *iv) for iv in w.drafter], key=lambda x: x[1])
+    for kind, start, end in busy:
         start, end = max(start, cursor), min(end, rollout_end)
         if end <= start:
             continue
         if start > cursor:
             segs.append(["idle", cursor - t0, start - t0])
-        segs.append(["drafter", start - t0, end - t0])
+        segs.append([kind, start - t0, end - t0])
         cursor = end
     if rollout_end > cursor:
         segs.append(["idle", cursor - t0, rollout_end - t0])
@@ -88,8 +90,7 @@ class Accounting:
     def rollout(self, t0: float, workers: list[WorkerTimes]) -> tuple[dict[str, float], list[dict]]:
         """idle/* scalars and the idle/timeline series of one rollout started at t0."""
         if not workers:
-            return {"idle/worker_s": 0.0, "idle/reclaimed_s": 0.0, "idle/reclaimed_frac": 0.0,
-                    "drafter/steps": 0.0}, []
+            return {"idle/worker_s": 0.0, "idle/reclaimed_s": 0.0, "idle/reclaimed_frac": 0.0}, []
         rollout_end = max(w.gen_end for w in workers)
         idle = reclaimed = 0.0
         timeline = []
@@ -107,7 +108,6 @@ class Accounting:
             "idle/reclaimed_frac": reclaimed / idle if idle > 0 else 0.0,
             "idle/worker_s_total": self.idle_total,
             "idle/reclaimed_s_total": self.reclaimed_total,
-            "drafter/steps": float(sum(w.drafter_steps for w in workers)),
         }, timeline
 
     def state_dict(self) -> dict:

@@ -4,6 +4,7 @@
                                     [--static-drafter | --no-static-drafter] [--out DIR]
                                     [--set drafter.warmup_steps=800 ...]   # preset overrides
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
+    python -m workers.tlt.bench learner ...        # learner group: 1 vs 2 ranks, sync paths (bench_learner.py)
 
 e2e trains the same config, same seed, in one invocation on the same machine and Ray instance, as
 two or three arms: the baseline (run.tlt false: no SD, no spot training), TLT, and (with
@@ -274,6 +275,14 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return run_rollout(args)
 
 
+def add_learner_parser(sub: argparse._SubParsersAction) -> None:
+    from .bench_learner import add_arguments, cmd_learner
+
+    p = sub.add_parser("learner", help="learner group: 1 vs 2 FSDP2 ranks, object-store vs bucketed sync")
+    add_arguments(p)
+    p.set_defaults(func=cmd_learner)
+
+
 # --- entry ------------------------------------------------------------------------------------
 
 
@@ -292,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(sorted(STATIC_BY_DEFAULT))})")
     p.set_defaults(func=cmd_e2e)
     add_rollout_parser(sub)
+    add_learner_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)

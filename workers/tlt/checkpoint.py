@@ -3,6 +3,8 @@
 Layout under the run's output folder:
 
     checkpoints/step_000004/policy/            config.json + model.safetensors (Transformer.save_pretrained)
+    checkpoints/step_000004/learner/           the learner ranks' shards (torch.distributed.checkpoint:
+                                               weights + AdamW, one file per rank, reshardable)
     checkpoints/step_000004/state.pt           optimizer, RNG states, step, bandit, buffer, accounting
     checkpoints/step_000004/drafter.pt         trainable drafter weights only (written asynchronously)
     checkpoints/step_000004/COMPLETE           written last: a folder without it is ignored on resume
@@ -24,6 +26,7 @@ import json
 import logging
 import random
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
+SHARDED_POLL_S = 0.1  # how often the background thread asks whether the learner's shards are written
 
 
 def capture_rng() -> dict[str, Any]:
@@ -63,8 +67,13 @@ class CheckpointManager:
         return self.root / f"step_{step:06d}"
 
     def save(self, step: int, *, policy, state: dict[str, Any], drafter_state: dict[str, torch.Tensor] | None,
-             after_drafter: Callable[[Path], Any] | None = None) -> Future:
-        """Write policy + state now; the drafter, the COMPLETE marker and `after_drafter` in the background."""
+             after_drafter: Callable[[Path], Any] | None = None, sharded: Callable[[Path], None] | None = None,
+             sharded_done: Callable[[], bool] | None = None) -> Future:
+        """Write policy + state now; the drafter, the COMPLETE marker and `after_drafter` in the background.
+
+        sharded(folder): starts the learner's own (asynchronous) write into the folder; the marker
+        waits until sharded_done() says it has finished, so a checkpoint is COMPLETE only whole.
+        """
         folder = self.step_dir(step)
         if folder.exists():
             shutil.rmtree(folder)
@@ -73,15 +82,20 @@ class CheckpointManager:
         torch.save({**state, "step": step}, folder / "state.pt")
         # copy now: the caller keeps training the drafter while the thread writes
         drafter_copy = {k: v.detach().cpu().clone() for k, v in (drafter_state or {}).items()}
-        fut = self._pool.submit(self._finish, folder, drafter_copy, after_drafter)
+        if sharded is not None:
+            sharded(folder)
+        fut = self._pool.submit(self._finish, folder, drafter_copy, after_drafter, sharded_done)
         self._pending.append(fut)
         return fut
 
-    def _finish(self, folder: Path, drafter_state: dict, after_drafter: Callable[[Path], Any] | None) -> Any:
+    def _finish(self, folder: Path, drafter_state: dict, after_drafter: Callable[[Path], Any] | None,
+                sharded_done: Callable[[], bool] | None = None) -> Any:
         path = folder / "drafter.pt"
         tmp = folder / "drafter.pt.tmp"
         torch.save(drafter_state, tmp)
         tmp.replace(path)
+        while sharded_done is not None and not sharded_done():  # polls: never holds the learner up
+            time.sleep(SHARDED_POLL_S)
         (folder / COMPLETE).write_text(json.dumps({"drafter": bool(drafter_state)}))
         self._prune()
         return after_drafter(folder) if after_drafter is not None and drafter_state else None

@@ -91,6 +91,13 @@ class TaskSection(_Section):
 class RolloutSection(_Section):
     engine: Literal["builtin", "vllm"] = Field("builtin", description="builtin: PyTorch reference engine; vllm: GPU nodes.")
     num_workers: int = Field(2, ge=1, le=1024, description="Rollout workers (Ray actors), one GPU or one CPU each.")
+    timeout_s: float = Field(
+        1800.0, gt=0, le=86_400,
+        description="Longest a step's rollout (or weight sync) may take on a worker before it is taken for hung.")
+    max_retries: int = Field(
+        1, ge=0, le=10,
+        description="Times a step's rollout is run again after a rollout worker died or hung (the worker "
+                    "is replaced first); then the run fails, naming the worker.")
     samples_per_prompt: int = Field(
         4, ge=2, le=256, description="GRPO group size n (>= 2: advantages are relative to the group).")
     max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")
@@ -177,6 +184,15 @@ class GRPOSection(_Section):
         1, ge=1, le=1024,
         description="Optimizer steps per RL step: the step's prompt groups are split into this many "
                     "mini-batches (verl's ppo_mini_batch); from the second one the PPO clip bounds the ratio.")
+    learner_ranks: int = Field(
+        0, ge=0, le=1024,
+        description="Learner ranks (Ray actors sharding the policy with FSDP2: one per GPU, or per CPU core). "
+                    "0: one per rollout worker's device when colocated, else one per CPU core (GPU: 1).")
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="colocated: learner rank i shares rollout worker i's device (half of its slot each; "
+                    "the phases take turns); separate: the learner ranks get devices of their own.")
+    sync_bucket_mb: int = Field(64, ge=1, le=4096, description="Size of a weight-sync bucket (MiB).")
     micro_batch: int = Field(8, ge=1, description="Most sequences per learner forward.")
     micro_batch_tokens: int = Field(
         4096, ge=16, le=10_000_000,
@@ -256,10 +272,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "task": {"kind": "math", "prompts_per_step": 128},
         # each worker also keeps a policy copy on its GPU (spot drafter training reads its embedding and
         # LM head): vLLM must not claim the default 90% of the GPU
-        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 8192,
-                    "vllm_gpu_memory_utilization": 0.6},
+        "rollout": {"engine": "vllm", "num_workers": 8, "samples_per_prompt": 8, "max_new_tokens": 4096,
+                    "vllm_gpu_memory_utilization": 0.55},
         "spec": {"threshold": 32},
-        "grpo": {"lr": 1e-6, "micro_batch": 4},
+        # the README's memory plan on 8 x 80 GB: 8 FSDP2 ranks colocated with the 8 rollout workers,
+        # one long row per learner forward (256 prompt + 4096 response tokens)
+        "grpo": {"lr": 1e-6, "learner_ranks": 8, "placement": "colocated", "micro_batch": 1,
+                 "micro_batch_tokens": 4352},
     },
 }
 

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .config import GRPOSection
 from .model import Transformer
 from .sampling import SamplingParams, token_logprobs
+
+if TYPE_CHECKING:  # pydantic stays out of a bare GPU node's imports (gpu_check.py)
+    from .config import GRPOSection
 
 ADV_EPS = 1e-6  # added to the group std; groups whose std is below it get zero advantage
 
@@ -102,8 +105,7 @@ def response_logprobs(model: Transformer, tokens: Tensor, mask: Tensor, params: 
     scored. return_hidden: also the forward's last hidden states [B, T, H] (after the final norm:
     the drafter's training input), so harvesting them costs no extra pass.
     """
-    hidden = model(tokens, logits=False).hidden
-    logits = model.lm_head(hidden[:, :-1][mask])  # [N, V]
+    logits, hidden = model(tokens, score_mask=mask)  # [N, V], [B, T, H]
     lp = token_logprobs(logits, tokens[:, 1:][mask], params)
     return (lp, hidden) if return_hidden else lp
 
@@ -118,6 +120,45 @@ def micro_batches(lengths: list[int], rows: list[int], max_rows: int, max_tokens
         else:
             out.append([r])
     return out
+
+
+def split_rows(lengths: list[int], rows: list[int], world: int) -> list[list[int]]:
+    """`rows` dealt to `world` ranks, longest first to the rank with the fewest tokens so far
+    (deterministic: every rank computes the same split from the same batch)."""
+    out: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for r in sorted(rows, key=lambda i: (-lengths[i], i)):
+        k = min(range(world), key=lambda j: (load[j], j))
+        out[k].append(r)
+        load[k] += lengths[r]
+    return out
+
+
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
+    """Global gradient norm clipped to max_norm; with FSDP2's sharded (DTensor) gradients the norm
+    is the whole model's, the same on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if hasattr(total, "full_tensor"):  # a DTensor: reduce the shards' partial norms
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def _group_sums(loss_sum: float, kl_sum: float, clipped: float, audit: "_MismatchAudit",
+                hist: dict[str, list]) -> tuple[float, float, float, dict[str, float], dict[str, list]]:
+    """The group's totals of one step's per-rank sums (torch.distributed is set up)."""
+    import torch.distributed as dist
+
+    sums = torch.tensor([loss_sum, kl_sum, clipped, audit.total, float(audit.count), *hist["counts"]],
+                        dtype=torch.float64)
+    dist.all_reduce(sums)
+    top = torch.tensor([audit.max], dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    loss_sum, kl_sum, clipped, total, count = (float(x) for x in sums[:5])
+    mismatch = {"rollout/logprob_mismatch": total / count if count else 0.0,
+                "rollout/logprob_mismatch_max": float(top[0])}
+    return loss_sum, kl_sum, clipped, mismatch, {**hist, "counts": [int(c) for c in sums[5:].tolist()]}
 
 
 class _MismatchAudit:
@@ -151,15 +192,24 @@ class _MismatchAudit:
 
 
 class GRPOLearner:
-    """Policy optimizer + GRPO loss. Lives wherever the driver puts it (here: the driver process)."""
+    """Policy optimizer + GRPO loss, in one process or as one rank of a data-parallel group.
+
+    rank/world > 1 (learner_group.py: the policy wrapped by FSDP2's fully_shard, torch.distributed
+    set up): each rank runs its share of every mini-batch's rows (balanced by tokens), every rank
+    runs the same number of forwards (an empty share runs a zero-loss dummy row, as FSDP's
+    collectives need), and the metrics are summed over the group, so the update and the metrics
+    equal the single-process ones up to float rounding.
+    """
 
     def __init__(self, policy: Transformer, cfg: GRPOSection, pad_id: int,
-                 sampling: SamplingParams = SamplingParams(), ref: Transformer | None = None):
+                 sampling: SamplingParams = SamplingParams(), ref: Transformer | None = None,
+                 rank: int = 0, world: int = 1):
         self.policy = policy
         self.cfg = cfg
         self.pad_id = pad_id
         self.sampling = sampling
-        self.last_hidden: list[Tensor] | None = None  # see step(harvest_hidden=True)
+        self.rank, self.world = rank, world
+        self.last_hidden: list[Tensor | None] | None = None  # see step(harvest_hidden=True)
         self.last_mismatch_hist: dict[str, list] = {}  # audit.mismatch_histogram of the last step
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
@@ -170,6 +220,23 @@ class GRPOLearner:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
 
+    def _share(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
+        """This rank's micro-batches of `rows`, padded with empty ones to the group's most."""
+        if self.world == 1:
+            return micro_batches(lengths, rows, self.cfg.micro_batch, self.cfg.micro_batch_tokens)
+        per_rank = split_rows(lengths, rows, self.world)
+        chunks = [micro_batches(lengths, rs, self.cfg.micro_batch, self.cfg.micro_batch_tokens) for rs in per_rank]
+        most = max(len(c) for c in chunks)
+        mine = chunks[self.rank]
+        return mine + [[] for _ in range(most - len(mine))]
+
+    def _dummy(self) -> tuple[Tensor, Tensor]:
+        """One two-token row scoring one token: a forward (and backward) that keeps a rank with no
+        rows of its own in step with the group's collectives."""
+        dev = self.policy.device
+        return (torch.full((1, 2), self.pad_id, dtype=torch.long, device=dev),
+                torch.ones(1, 1, dtype=torch.bool, device=dev))
+
     def _padded(self, batch: RolloutBatch, rows: list[int]) -> tuple[Tensor, Tensor]:
         tokens, mask = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows], self.pad_id)
         dev = self.policy.device
@@ -178,6 +245,9 @@ class GRPOLearner:
     @torch.no_grad()
     def _scored(self, model: Transformer, batch: RolloutBatch, rows: list[int]) -> list[Tensor]:
         """Per row, the log-probs `model` gives its response tokens (no gradient)."""
+        if not rows:  # this rank's share ran out: a dummy forward for the group's collectives
+            response_logprobs(model, *self._dummy(), self.sampling)
+            return []
         tokens, mask = self._padded(batch, rows)
         return list(response_logprobs(model, tokens, mask, self.sampling).cpu().split(mask.sum(1).tolist()))
 
@@ -201,21 +271,22 @@ class GRPOLearner:
         members = [[int(g) * n + j for g in gs for j in range(n) if int(g) * n + j in run_set] for gs in groups]
         denoms = [max(float(sum(len(batch.responses[int(g) * n + j]) for g in gs for j in range(n))), 1.0)
                   for gs in groups]
-        chunks = lambda rows: micro_batches(lengths, rows, cfg.micro_batch, cfg.micro_batch_tokens)  # noqa: E731
+        chunks = lambda rows: self._share(lengths, rows)  # noqa: E731  (this rank's micro-batches)
         rollout_lp = batch.rollout_logprobs
         audit = _MismatchAudit(rollout_lp if rollout_lp is not None and all(
             len(rollout_lp[r]) == len(batch.responses[r]) for r in runs) else None)
 
         # the behaviour policy's log-probs: the first mini-batch's own forward gives its rows',
         # the later mini-batches' rows are scored now, before any update
+        # (per mini-batch, so each row is scored on the rank that trains it)
         old: dict[int, Tensor] = {}
-        for c in chunks([r for m in members[1:] for r in m]):
+        for c in (c for m in members[1:] for c in chunks(m)):
             old.update(zip(c, self._scored(self.policy, batch, c)))
         for r, lp in old.items():
             audit.add([r], lp)
         ref: dict[int, Tensor] = {}
         if self.ref is not None:
-            for c in chunks(runs):
+            for c in (c for m in members for c in chunks(m)):
                 ref.update(zip(c, self._scored(self.ref, batch, c)))
 
         hidden_by_row: dict[int, Tensor] = {}
@@ -225,6 +296,10 @@ class GRPOLearner:
         for mb, (rows, denom) in enumerate(zip(members, denoms)):
             self.optimizer.zero_grad(set_to_none=True)
             for c in chunks(rows):
+                if not c:  # nothing of this rank's in the chunk: a zero-loss dummy for the collectives
+                    lp = response_logprobs(self.policy, *self._dummy(), self.sampling)
+                    (lp.sum() * 0.0).backward()
+                    continue
                 tokens, mask = self._padded(batch, c)
                 counts = mask.sum(1).tolist()
                 lp, hidden = response_logprobs(self.policy, tokens, mask, self.sampling, return_hidden=True)  # [N]
@@ -248,18 +323,24 @@ class GRPOLearner:
                     per_token = per_token + cfg.kl_coef * kl
                     kl_sum += float(kl.detach().sum())
                 loss = per_token.sum() / denom
-                loss.backward()
+                # FSDP averages gradients over the group; each rank's loss is its share of the sum
+                (loss * self.world if self.world > 1 else loss).backward()
                 loss_sum += float(loss.detach())
                 clipped += float(((ratio.detach() - 1.0).abs() > cfg.clip_eps).sum())
             for p in self.params:  # rows skipped for a zero gradient: AdamW still steps on zeros
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            grad_norm_sum += clip_grad_norm(self.params, cfg.grad_clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.eval()
-        self.last_hidden = [hidden_by_row[r] for r in range(n_rows)] if harvest_hidden else None
-        self.last_mismatch_hist = audit.histogram()  # the step's series rollout/logprob_mismatch_hist
+        # this rank's rows only when world > 1 (the group merges them)
+        self.last_hidden = [hidden_by_row.get(r) for r in range(n_rows)] if harvest_hidden else None
+        hist = audit.histogram()  # the step's series rollout/logprob_mismatch_hist
+        mismatch = audit.metrics()
+        if self.world > 1:  # sums over the group's rows (grad norm is already the group's)
+            loss_sum, kl_sum, clipped, mismatch, hist = _group_sums(loss_sum, kl_sum, clipped, audit, hist)
+        self.last_mismatch_hist = hist
         total_tokens = float(sum(len(r) for r in batch.responses))
         return {
             "learner/loss": loss_sum / len(groups),
@@ -270,7 +351,7 @@ class GRPOLearner:
             "learner/tokens": total_tokens,
             "learner/rows_run": float(len(runs)),
             "learner/optimizer_steps": float(len(groups)),
-            **audit.metrics(),
+            **mismatch,
         }
 
     def state_dict(self) -> dict:

@@ -63,6 +63,8 @@ SCALAR_KEYS = {
     "timing_s/reward": "reward computation",
     "timing_s/learner": "learner update (old log-probs + gradient step)",
     "timing_s/sync": "weight sync to workers",
+    "sync/bytes": "bytes of weights the rollout workers read at this step's sync (policy + drafter)",
+    "drafter/stale_workers": "rollout workers that drafted with an older drafter than the published one (TLT runs)",
     "learner/loss": "GRPO loss",
     "learner/grad_norm": "gradient norm before clipping",
     "learner/kl": "KL to the reference (0 when disabled)",

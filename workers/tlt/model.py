@@ -271,8 +271,12 @@ class Transformer(nn.Module):
         return KVCache(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
-                write_pos: Tensor | None = None, mask: Tensor | None = None, logits: bool = True) -> ModelOutput:
+                write_pos: Tensor | None = None, mask: Tensor | None = None, logits: bool = True,
+                score_mask: Tensor | None = None) -> ModelOutput:
         """tokens/positions/write_pos: [B, T]; mask: [B, T, S] bool (True = may attend), S <= max_len.
+
+        score_mask: [B, T-1] bool; the logits are then those of the positions it marks only, [N, V]
+        (the learner's scoring: the LM head runs inside forward, where FSDP has gathered it).
 
         Without a cache the T tokens attend causally to each other (training, scoring). With one,
         their keys/values are written at `write_pos` (default: `positions`) and each query attends
@@ -284,6 +288,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, i, cache, write_pos, mask)
         hidden = self.model.norm(x)
+        if score_mask is not None:
+            return ModelOutput(self.lm_head(hidden[:, :-1][score_mask]), hidden)
         return ModelOutput(self.lm_head(hidden) if logits else hidden.new_empty(0), hidden)
 
     # --- Hugging Face folders -------------------------------------------------------------------

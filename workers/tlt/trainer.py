@@ -9,19 +9,28 @@
 
 One step:
 
-    sync     policy + drafter weights -> ray.put once -> every worker loads them
-    rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); a worker that
-             finishes reports idle to the coordinator and trains the drafter on the online buffer
-             until the last worker finishes: then the driver preempts every drafter update in flight
+    sync     the learner ranks publish the policy in buckets (shared memory on one node), the driver
+             the drafter when it changed; the driver forwards only the manifests, workers copy in
+    rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); the driver
+             waits with ray.wait: a worker whose shard is in packs its records and gets drafter
+             updates to train (spot.py's rounds) until the last shard is in; then the driver preempts
+             every update in flight. A worker that dies or hangs is replaced and the rollout rerun;
+             spot training that fails leaves the run on SD without retraining (drafter/spot_failed)
     reward   the task scores every response
-    learner  GRPO update in this process (its forward gives the old log-probs, and the hidden states
-             when the rollout engine returns none)
+    learner  GRPO update in the learner group (learner_group.py: FSDP2 ranks on Ray; its forward gives
+             the old log-probs, and the hidden states when the rollout engine returns none)
     buffer   the master drafter and the workers' spot-training results are collected; this step's
              harvested (tokens, hidden) records join the online buffer
     + metrics (rollout/*, spec/*, drafter/*, idle/*, timing_s/*, learner/*) and checkpoints
 
 Ray: inside a Ray job (RAY_ADDRESS set) the driver joins that cluster; otherwise it starts a local
-instance sized to the machine. Rollout workers ask for num_gpus=1 on CUDA configs, num_cpus=1 here.
+instance sized to the machine. One placement group holds a bundle per device (GPU + CPU on CUDA
+configs, one CPU here): colocated, rollout worker i and learner rank i share bundle i (half each;
+their phases take turns), separate, the ranks get bundles of their own. A run that asks for more
+than the cluster has fails at once, naming what is missing.
+
+The driver keeps a copy of the policy for the drafter warm-up and the exports only; it is refreshed
+from the learner's published buckets when a checkpoint or the final export needs it.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import torch
 from .accounting import Accounting, WorkerTimes
 from .checkpoint import CheckpointManager, capture_rng, restore_rng
 from .config import TLTConfig
-from .grpo import GRPOLearner, RolloutBatch
+from .grpo import RolloutBatch
 from .metrics import Tracking
 from .model import Transformer
 from .policies import prepare_policy_folder
@@ -105,6 +114,24 @@ def length_scalars(lengths: list[int]) -> dict[str, float]:
 # --- the trainer ------------------------------------------------------------------------------
 
 
+class WorkerFault(RuntimeError):
+    """Rollout workers died or hung during a step (their indices in `workers`)."""
+
+    def __init__(self, workers: list[int], message: str):
+        super().__init__(message)
+        self.workers = workers
+
+
+@dataclass
+class _Spot:
+    """One step's spot training while its answers are still out: the schedule, the outstanding calls
+    (ObjectRef -> (kind, worker)) and the packs that came back ({worker: pack()})."""
+
+    rounds: Any  # spot.SpotRounds
+    pending: dict[Any, tuple[str, int]]
+    packs: dict[int, dict]
+
+
 @dataclass
 class StepOutput:
     step: int
@@ -124,13 +151,26 @@ class Trainer:
         self.tracking = tracking
         self.resume = resume
         self.progress = progress
-        self.worker_actor = worker_actor  # Ray actor class of rollout workers (default ray_workers.RolloutWorker)
+        # Ray actor class of rollout workers (default ray_workers.RolloutWorker; others: ray_workers.worker_actor(cls))
+        self.worker_actor = worker_actor
         self.tlt = cfg.run.tlt  # SD in the tail
         self.spot = self.tlt and cfg.drafter.spot_training  # and the drafter trained on idle workers
         self.device = resolve_device(cfg)
         self.step = 0
         self.workers: list[Any] = []
-        self.coordinator = None
+        self._spot_failed = False  # spot training failed once: the run goes on with SD, without retraining
+        self.worker_retries = 0  # rollouts run again after a worker died or hung
+        self.learner_group = None  # learner_group.LearnerGroup, started with the actors
+        self._pg = None  # the run's placement group
+        self._policy_manifest = None  # weight_sync.Manifest of the latest published policy
+        self._policy_version = -1  # the learner's update count it holds; -1: none published yet
+        self._drafter_pub = None  # weight_sync.BucketPublisher of the drafter (the driver owns it)
+        self._drafter_manifest = None
+        self._drafter_version = 0
+        self._resume_learner: Path | None = None  # a checkpoint's learner folder, loaded once the group runs
+        self.last_mismatch_hist: dict[str, list] = {}
+        self._learner_updates = 0  # GRPO updates since the start (or the resumed checkpoint's step)
+        self._drafter_changed = True
         self._started_ray = False
         self.ckpt = CheckpointManager(self.out / "checkpoints")
         self.acct = Accounting()
@@ -168,7 +208,6 @@ class Trainer:
         dtype = getattr(torch, cfg.model.dtype)
         self.policy = Transformer.from_pretrained(self.policy_folder, dtype=dtype, device=self.device)
         self.eos_ids = sorted({self.task.eos_id, *self.policy.config.eos_ids})
-        self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=self.task.pad_id, sampling=sampling_params(cfg.rollout))
         self.prompt_rng = random.Random(cfg.run.seed)
 
         from .buffer import DrafterBuffer
@@ -217,19 +256,25 @@ class Trainer:
         self.drafter_tokens = info["steps"] * cfg.drafter.warmup_batch_tokens
 
     def _start_actors(self) -> None:
-        from .ray_workers import Coordinator, RolloutWorker
+        from .learner_group import LearnerGroup
+        from .placement import plan_placement
+        from .ray_workers import RolloutWorker
 
-        W = self.cfg.rollout.num_workers
+        cfg = self.cfg
+        W = cfg.rollout.num_workers
         self._started_ray = ensure_ray(num_cpus=max(W, os.cpu_count() or 1))
-        self.coordinator = Coordinator.remote(W, seed=self.cfg.run.seed)
         gpu = self.device == "cuda"
-        opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 1}
-        actor = self.worker_actor or RolloutWorker
-        self.workers = [
-            actor.options(**opts).remote(i, self.policy.config, self.cfg, self.coordinator,
-                                                 device="cuda" if gpu else "cpu", threads=1)
-            for i in range(W)
-        ]
+        plan = plan_placement(cfg, gpu=gpu)
+        self._pg = plan.reserve()  # fails fast (naming what is missing) when the cluster is too small
+        self._plan, self._worker_cls = plan, RolloutWorker
+        self.workers = [self._new_worker(i) for i in range(W)]
+        self.learner_group = LearnerGroup.start(
+            cfg, self.policy_folder, pad_id=self.task.pad_id, world=plan.learner_ranks,
+            device="cuda" if gpu else "cpu", actor_options=[plan.rank_options(self._pg, r)
+                                                            for r in range(plan.learner_ranks)],
+            threads=plan.rank_threads)
+        if self._resume_learner is not None:
+            self.learner_group.load(self._resume_learner)
         ray.get([w.load_worker_state.remote(s) for w, s in zip(self.workers, self.worker_states)])
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -243,9 +288,14 @@ class Trainer:
         st = data["state"]
         fresh = Transformer.from_pretrained(data["policy_dir"], dtype=self.policy.dtype, device=self.device)
         self.policy.load_state_dict(fresh.state_dict())
-        self.learner.load_state_dict(st["learner"])
+        if (latest / "learner").is_dir():  # sharded weights + AdamW (DCP), at any world size
+            self._resume_learner = latest / "learner"
+        else:  # a checkpoint from before the learner group: its weights only, a fresh optimizer
+            log.warning("%s has no sharded learner state: resuming its weights with a fresh optimizer", latest)
+            self.policy_folder = data["policy_dir"]
         self.drafter.load_state_dict(data["drafter"])
         self.step = int(st["step"])
+        self._learner_updates = self.step
         self.prompt_rng.setstate(st["prompt_rng"])
         restore_rng(st["rng"])
         from .buffer import DrafterBuffer
@@ -259,8 +309,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.worker_states = ray.get([w.worker_state.remote() for w in self.workers])
+        self._refresh_driver_policy()  # the HF folder of the checkpoint (downloads, exports)
         state = {
-            "learner": self.learner.state_dict(),
             "prompt_rng": self.prompt_rng.getstate(),
             "rng": capture_rng(),
             "buffer": self.buffer.state_dict(),
@@ -271,8 +321,10 @@ class Trainer:
         }
         step = self.step
         export = self._export_drafter if self.tlt else None
+        group = self.learner_group
         self.ckpt.save(step, policy=self.policy, state=state, drafter_state=self.drafter_state,
-                       after_drafter=export)
+                       after_drafter=export, sharded=lambda f: group.save(f / "learner"),
+                       sharded_done=group.saved)
 
     def _export_drafter(self, folder: Path) -> tuple[str, int, Path] | None:
         """Runs in the checkpoint thread: vLLM EAGLE folder (with its model card) + zip, announced
@@ -298,6 +350,7 @@ class Trainer:
         from .rollout import SpecPolicy
 
         cfg = self.cfg
+        self._refresh_driver_policy()  # the learner's latest weights into the driver's copy
         self.drafter.load_state_dict(self.drafter_state)
         prompts = self.task.sample_prompts(cfg.run.audit_prompts, random.Random(cfg.run.seed + 104_729 + self.step))
         return spot_check(self.policy, self.drafter, [p.ids for p in prompts], self.eos_ids,
@@ -311,13 +364,44 @@ class Trainer:
 
     # --- a step -------------------------------------------------------------------------------
 
-    def _sync(self):
-        """Push the policy and drafter to every worker; returns the drafter's object reference."""
-        policy_state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
-        pref = ray.put(policy_state)
+    def _publish_policy(self):
+        """The learner's current weights in buckets (once per update: the sync and a checkpoint share it)."""
+        if self._policy_version != self._learner_updates:
+            self._policy_manifest = self.learner_group.publish(self._learner_updates)
+            self._policy_version = self._learner_updates
+        return self._policy_manifest
+
+    def _refresh_driver_policy(self) -> None:
+        from .weight_sync import receive
+
+        manifest = self._publish_policy()
+        receive(manifest, dict(self.policy.named_parameters()))
+
+    def _publish_drafter(self):
+        """The drafter in buckets, a new version whenever its weights changed."""
+        from .weight_sync import BucketPublisher
+
+        if self._drafter_pub is None:
+            self._drafter_pub = BucketPublisher("drafter", self.cfg.grpo.sync_bucket_mb << 20)
+        if self._drafter_manifest is None or self._drafter_changed:
+            self._drafter_version += 1
+            self._drafter_manifest = self._drafter_pub.publish(self._drafter_version, self.drafter_state.items())
+            self._drafter_changed = False
+        return self._drafter_manifest
+
+    def _sync(self) -> tuple[Any, dict[str, float]]:
+        """Policy and drafter to every worker, as bucket manifests (the driver never holds the policy's
+        bytes); returns the drafter's object reference (spot training's master) and sync/* scalars."""
+        from .learner_group import get_all
+
+        policy = self._publish_policy()
+        drafter = self._publish_drafter() if self.tlt else None
+        got = get_all([w.load_weights.remote(policy, drafter) for w in self.workers], self.cfg.rollout.timeout_s,
+                      "weight sync to the rollout workers")
         dref = ray.put(self.drafter_state if self.tlt else None)
-        ray.get([w.load_weights.remote(pref, dref) for w in self.workers])
-        return dref
+        return dref, {"sync/bytes": float(sum(int(g) for g in got)),
+                      "sync/policy_bytes": float(policy.nbytes), "sync/buckets": float(len(policy.buckets)),
+                      "drafter/published_version": float(self._drafter_version if self.tlt else 0)}
 
     def _prev_records_ref(self):
         """Previous step's long responses (upper half by length) from the online buffer; all of
@@ -343,24 +427,14 @@ class Trainer:
         rows = [p.ids for p in prompts for _ in range(n)]  # group order: prompt g -> rows g*n..g*n+n-1
 
         with self.acct.phase("sync"):
-            drafter_ref = self._sync()
+            drafter_ref, sync_scalars = self._sync()
 
         W = len(self.workers)
         shards = [list(s) for s in np.array_split(np.arange(len(prompts)), W)]
+        shard_rows = [[rows[g * n + j] for g in shard for j in range(n)] for shard in shards]
         with self.acct.phase("rollout"):
             t0 = time.time()
-            refs = []
-            for i, (w, shard) in enumerate(zip(self.workers, shards)):
-                shard_rows = [rows[g * n + j] for g in shard for j in range(n)]
-                seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
-                refs.append(w.rollout.remote(step, shard_rows, self.eos_ids, seed, self.tlt))
-            if self.spot:  # while the workers generate; they wait for it only when they report done
-                begun = self.coordinator.begin_step.remote(step, drafter_ref, self._prev_records_ref())
-            results = ray.get(refs)
-            if self.spot:  # the rollout is over: stop spot training now; collect it after the learner
-                for w in self.workers:
-                    w.preempt.remote()
-                finished = self.coordinator.finish.remote()
+            results, spot = self._rollout_with_retry(step, shard_rows)
 
         self.last_results = results
         tokens: list[list[int]] = []
@@ -379,35 +453,43 @@ class Trainer:
             rewards = [self.task.reward(prompts[i // n], tokens[i]) for i in range(len(tokens))]
 
         # an engine without hidden states (vLLM): the learner's old-log-prob pass computes them anyway
-        from_learner = self.spot and not all(r["harvested"] for r in results)
+        from_learner = spot is not None and not all(r["harvested"] for r in results)
         self._records_from_learner = from_learner
         with self.acct.phase("learner"):
             batch = RolloutBatch(prompts=rows, responses=tokens, rewards=rewards, group_size=n,
                                  rollout_logprobs=logprobs)
-            learner_metrics = self.learner.step(batch, harvest_hidden=from_learner)
+            learner_metrics, self.last_mismatch_hist, learner_hidden = self.learner_group.step(
+                batch, harvest_hidden=from_learner)
+            self._learner_updates += 1
 
         drafter_stats: dict[str, float] = {}
         with self.acct.phase("buffer"):
-            if self.spot:  # the workers' records and spot training, and the master drafter (long done by now)
-                ray.get(begun)
-                self.drafter_state, drafter_stats = ray.get(finished)
+            packs: dict[int, dict] = {}
+            if spot is not None:  # spot training's last answers and the master drafter (long done by now)
+                drafter_stats, packs = self._finish_spot(spot)
                 self.drafter_tokens += int(drafter_stats.get("drafter/steps", 0)) * cfg.drafter.batch_tokens
-                for r, spot in zip(results, ray.get([w.spot_result.remote() for w in self.workers])):
-                    r.update(spot)
-            if from_learner:  # they reach the coordinator with the next step's begin_step
-                for prompt, resp, hid in zip(rows, tokens, self.learner.last_hidden or []):
+            if from_learner:  # they join the spot training of the next step
+                for prompt, resp, hid in zip(rows, tokens, learner_hidden or []):
                     if resp:
                         self.buffer.add(list(prompt) + list(resp), hid, len(prompt), step)
-                self.learner.last_hidden = None
-            elif self.spot:
-                for res in results:
-                    for ref in res["records"] or []:
+            elif spot is not None:
+                for i in range(W):  # the workers that never packed during the rollout (the last ones)
+                    if i not in packs:
+                        packs[i] = self._call_worker(i, "pack")
+                for i in sorted(packs):
+                    for ref in packs[i]["records"] or []:
                         for r in ray.get(ref):
                             self.buffer.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
+            if not self.spot or spot is None:
+                drafter_stats.setdefault("drafter/steps", 0.0)
+            if self.spot:  # the warning: spot training failed and the run goes on with SD only
+                drafter_stats["drafter/spot_failed"] = 1.0 if self._spot_failed else 0.0
 
         # --- metrics ---
-        times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"],
-                             [tuple(iv) for iv in r["drafter_intervals"]], r["drafter_steps"]) for r in results]
+        trained = spot.rounds.trained_intervals if spot is not None else {}
+        times = [WorkerTimes(r["worker"], r["gen_start"], r["gen_end"], drafter=trained.get(r["worker"], []),
+                             pack=[tuple(packs[r["worker"]]["interval"])] if r["worker"] in packs else [])
+                 for r in results]
         idle_scalars, timeline = self.acct.rollout(t0, times)
         rollout = RolloutMetrics.merge([RolloutMetrics.from_dict(r["metrics"]) for r in results],
                                        [r["gen_start"] - t0 for r in results])
@@ -421,6 +503,10 @@ class Trainer:
         scalars.update(learner_metrics)
         scalars.update(idle_scalars)
         scalars.update(drafter_stats)  # loss/accuracy only when an update was applied: no fake zeros
+        scalars.update(sync_scalars)
+        # workers that drafted with another drafter than the published one (0: none; baselines draft never)
+        scalars["drafter/stale_workers"] = float(sum(
+            r.get("drafter_version") != self._drafter_version for r in results)) if self.tlt else 0.0
         scalars["buffer/records"] = float(len(self.buffer))
         scalars["buffer/tokens"] = float(self.buffer.num_tokens)
         interval = cfg.run.checkpoint_interval
@@ -436,7 +522,7 @@ class Trainer:
                                                   seed=cfg.run.seed),
                   "rollout/prompt_lengths": prompt_lengths([prompts[i // n].text for i in range(len(tokens))],
                                                            lengths, n),
-                  "rollout/logprob_mismatch_hist": self.learner.last_mismatch_hist}
+                  "rollout/logprob_mismatch_hist": self.last_mismatch_hist}
 
         self.tracking.log(step, scalars, series)
         self.tracking.progress("rl", step, cfg.run.steps, f"step {step}/{cfg.run.steps}")
@@ -449,6 +535,135 @@ class Trainer:
             self.progress(step, scalars)
         return out
 
+    # --- the rollout, spot training and faults (the driver's control flow, with ray.wait) ----------
+
+    def _rollout_with_retry(self, step: int, shard_rows: list[list[list[int]]]) -> tuple[list[dict], Any]:
+        """The step's rollout; a rollout worker that dies or hangs (rollout.timeout_s) is replaced by
+        a fresh one, the weights synced again and the step's rollout run again (same seeds, so the
+        same samples), up to rollout.max_retries times; then the run fails naming the worker."""
+        for attempt in range(self.cfg.rollout.max_retries + 1):
+            try:
+                return self._rollout(step, shard_rows)
+            except WorkerFault as fault:
+                for w in self.workers:  # the survivors' spot updates end now (a rerun queues behind them)
+                    w.preempt.remote()
+                if attempt == self.cfg.rollout.max_retries:
+                    raise
+                log.warning("step %d: %s; restarting worker(s) %s and retrying the step's rollout",
+                            step, fault, fault.workers)
+                self._restart_workers(fault.workers)
+                self.worker_retries += 1
+        raise AssertionError("unreachable")
+
+    def _rollout(self, step: int, shard_rows: list[list[list[int]]]) -> tuple[list[dict], Any]:
+        """Rollouts out, then ray.wait: each worker whose shard is in packs its records and trains the
+        drafter in the rounds spot.SpotRounds schedules until the last shard is in; then every worker
+        is preempted. Returns the results and the spot state still to collect (or None)."""
+        from .spot import SpotRounds
+
+        cfg = self.cfg
+        W = len(self.workers)
+        pending: dict[Any, tuple[str, int]] = {}
+        for i, w in enumerate(self.workers):
+            seed = (cfg.run.seed * 1_000_003 + step * 1009 + i) & 0x7FFFFFFF
+            pending[w.rollout.remote(step, shard_rows[i], self.eos_ids, seed, self.tlt)] = ("rollout", i)
+        rounds = None
+        if self.spot and not self._spot_failed:
+            rounds = SpotRounds(W, self.drafter_state, self._prev_records_ref(), seed=cfg.run.seed, step=step,
+                                update_steps=cfg.drafter.spot_update_steps, put=ray.put)
+        spot = _Spot(rounds, pending, {}) if rounds is not None else None
+        results: list[dict | None] = [None] * W
+        deadline = time.monotonic() + cfg.rollout.timeout_s
+        while any(r is None for r in results):
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [i for i, r in enumerate(results) if r is None]
+                raise WorkerFault(late, f"rollout of step {step} still running after {cfg.rollout.timeout_s:.0f} s")
+            kind, i = pending.pop(ready[0])
+            try:
+                out = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                if kind == "rollout":
+                    raise WorkerFault([i], f"rollout worker {i} failed: {type(exc).__name__}: {exc}") from exc
+                self._spot_failure(spot, i, exc)
+                continue
+            if kind == "rollout":
+                results[i] = out
+                if spot is not None and not self._spot_failed and any(r is None for r in results):
+                    pending[self.workers[i].pack.remote()] = ("pack", i)
+            elif kind == "pack" and spot is not None:
+                spot.packs[i] = out
+                self._send(spot, rounds.add_data(out["records"] or []) + rounds.idle(i))
+            elif kind == "update" and spot is not None:
+                self._send(spot, rounds.done(i, out))
+        if spot is not None:  # the rollout is over: stop spot training now; collect it after the learner
+            rounds.preempt()
+            for w in self.workers:
+                w.preempt.remote()
+        return results, spot
+
+    def _send(self, spot: "_Spot", jobs: list[tuple[int, dict]]) -> None:
+        for i, job in jobs:
+            spot.pending[self.workers[i].spot_update.remote(job)] = ("update", i)
+
+    def _finish_spot(self, spot: "_Spot") -> tuple[dict[str, float], dict[int, dict]]:
+        """The preempted updates' and packs' answers (each worker stops at its next micro-batch), then
+        the master drafter; spot training that fails degrades the run to SD without retraining."""
+        left = [ref for ref, (kind, _) in spot.pending.items() if kind in ("update", "pack")]
+        if left:
+            ray.wait(left, num_returns=len(left), timeout=self.cfg.rollout.timeout_s)
+        for ref in left:
+            kind, i = spot.pending.pop(ref)
+            try:
+                out = ray.get(ref, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - failed or still hung: spot training is what fails
+                self._spot_failure(spot, i, exc)
+                continue
+            if kind == "pack":
+                spot.packs[i] = out
+            else:
+                spot.rounds.done(i, out)
+        master, stats = spot.rounds.finish()
+        if not self._spot_failed:
+            self.drafter_state = master
+            self._drafter_changed = stats.get("drafter/updates", 0.0) > 0
+        return stats, spot.packs
+
+    def _spot_failure(self, spot: "_Spot | None", worker: int, exc: BaseException) -> None:
+        if not self._spot_failed:
+            log.warning("spot drafter training failed on worker %d (%s: %s): the run goes on with SD and the "
+                        "current drafter, without retraining it (drafter/spot_failed)", worker,
+                        type(exc).__name__, exc)
+        self._spot_failed = True
+        if spot is not None:
+            spot.rounds.preempt()
+        for w in self.workers:
+            w.preempt.remote()
+
+    def _call_worker(self, i: int, method: str, *args) -> Any:
+        from .learner_group import get_all
+
+        return get_all([getattr(self.workers[i], method).remote(*args)], self.cfg.rollout.timeout_s,
+                       f"rollout worker {i} {method}")[0]
+
+    def _new_worker(self, i: int):
+        actor = self.worker_actor or self._worker_cls
+        gpu = self.device == "cuda"
+        return actor.options(**self._plan.worker_options(self._pg, i)).remote(
+            i, self.policy.config, self.cfg, device="cuda" if gpu else "cpu", threads=1)
+
+    def _restart_workers(self, workers: list[int]) -> None:
+        """Fresh actors in the same bundles, with the last checkpoint's worker state; the weights
+        follow with a sync (the new actors hold no drafter version, so they load it too)."""
+        from .learner_group import get_all
+
+        for i in workers:
+            ray.kill(self.workers[i], no_restart=True)
+            self.workers[i] = self._new_worker(i)
+        get_all([self.workers[i].load_worker_state.remote(self.worker_states[i]) for i in workers],
+                self.cfg.rollout.timeout_s, "restarted rollout workers")
+        self._sync()
+
     def _decode_token(self, token_id: int) -> str:
         return self.task.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -460,6 +675,7 @@ class Trainer:
         if self.step >= self.cfg.run.steps:
             from .export import export_policy, zip_folder
 
+            self._refresh_driver_policy()
             final = export_policy(self.policy, self.out / "policy", tokenizer=self.policy_folder)
             self.tracking.artifact("policy", self.step, zip_folder(final, self.out / "policy.zip"))
         return self.summary()
@@ -483,16 +699,21 @@ class Trainer:
         finally:
             try:  # vLLM engines: shut down, exported folders removed (a step cut short: wait a little only)
                 if self.cfg.rollout.engine == "vllm" and self.workers:
-                    if self.coordinator is not None:  # ends spot training a cut-short step never preempted
-                        ray.get(self.coordinator.preempt.remote(), timeout=5)
+                    for w in self.workers:  # ends spot training a cut-short step never preempted
+                        w.preempt.remote()
                     ray.get([w.close.remote() for w in self.workers], timeout=20)
             except Exception as exc:  # a busy, dead or stuck actor: kill it anyway
                 log.warning("closing rollout workers: %s", exc)
             for w in self.workers:
                 ray.kill(w)
-            if self.coordinator is not None:
-                ray.kill(self.coordinator)
-            self.workers, self.coordinator = [], None
+            if self.learner_group is not None:
+                self.learner_group.close()
+            for pub in (self._drafter_pub,):
+                if pub is not None:
+                    pub.close()
+            if self._pg is not None:
+                ray.util.remove_placement_group(self._pg)
+            self.workers, self.learner_group, self._pg, self._drafter_pub = [], None, None, None
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False

@@ -1,0 +1,154 @@
+"""GPU readiness on a bare node (torch + transformers only: no Ray, no vLLM, no network).
+
+    scripts/gpu-check.sh                      # what a lent GPU machine runs; under 8 minutes
+    python -m workers.tlt.gpu_check [--device cuda] [--shape 1b|tiny] [--rows 8] [--response-len 512]
+
+With a random-init 1B-class Llama shape it runs, and reports in one JSON line (the last stdout line):
+
+    learner   one GRPO step through FSDP2 at one rank (the learner group's rank body, in-process:
+              NCCL on CUDA, bf16 compute with fp32 master weights), tokens/s and peak memory
+    publish   the rank's bucketed weight publish (what the rollout workers read), seconds and bytes
+    rollout   the built-in engine's batched decoding on the same shape: a full batch, then the tail
+              (batch 1) plain and with SD (a random drafter: the acceptance is meaningless, the
+              kernels and the verify path are what is checked), tokens/s
+
+Checks correctness of the code paths on the device, not speed claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+SHAPES = {  # Llama-3.2-1B-like, and a tiny one for trying the script on a CPU
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def _policy_folder(shape: str, root: Path) -> Path:
+    from .model import ModelConfig, Transformer, init_weights
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**SHAPES[shape], eos_token_id=2, max_position_embeddings=4096))
+    init_weights(model)
+    model.save_pretrained(root / "policy")
+    return root / "policy"
+
+
+def _cfg(dtype: str) -> SimpleNamespace:
+    """The fields of config.TLTConfig the rank reads (pydantic is not on a bare node)."""
+    grpo = SimpleNamespace(lr=1e-6, clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, mini_batches=1, micro_batch=4,
+                           micro_batch_tokens=8192, sync_bucket_mb=64)
+    return SimpleNamespace(grpo=grpo, model=SimpleNamespace(dtype=dtype),
+                           rollout=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0))
+
+
+def learner_check(folder: Path, device: str, dtype: str, rows: int, response_len: int) -> dict:
+    from .grpo import RolloutBatch
+    from .learner_rank import LearnerRankImpl, free_port
+
+    rank = LearnerRankImpl()
+    rank.setup(0, 1, "127.0.0.1", free_port(), str(folder), _cfg(dtype), pad_id=0,
+               device="cuda" if device.startswith("cuda") else "cpu", threads=torch.get_num_threads())
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    batch = RolloutBatch(prompts=[torch.randint(3, vocab, (64,), generator=g).tolist() for _ in range(rows)],
+                         responses=[torch.randint(3, vocab, (response_len >> (i % 3),), generator=g).tolist()
+                                    for i in range(rows)],
+                         rewards=[float(i % 2) for i in range(rows)], group_size=2)
+    rank.step(batch, False)  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    out = rank.step(batch, False)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t
+    t = time.perf_counter()
+    manifest = rank.publish(1, 64 << 20, shared_memory=True)
+    publish_s = time.perf_counter() - t
+    res = {"learner_step_s": round(secs, 3),
+           "learner_tokens_per_s": round(out["metrics"]["learner/tokens"] / secs, 1),
+           "learner_loss_finite": bool(torch.isfinite(torch.tensor(out["metrics"]["learner/loss"]))),
+           "publish_s": round(publish_s, 3), "publish_bytes": manifest.nbytes}
+    if device.startswith("cuda"):
+        res["learner_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    rank.close()
+    return res
+
+
+def rollout_check(folder: Path, device: str, dtype: str, batch: int, new_tokens: int) -> dict:
+    from .drafter import Drafter
+    from .model import Transformer
+    from .rollout import SpecPolicy, generate
+    from .sampling import SamplingParams
+
+    policy = Transformer.from_pretrained(folder, dtype=getattr(torch, dtype), device=device).eval()
+    drafter = Drafter.for_target(policy).eval()
+    vocab = policy.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(batch)]
+    greedy = SamplingParams(temperature=0.0)
+    out: dict = {}
+    tails: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for name, rows, spec, d in (("batch", prompts, SpecPolicy(enabled=False, threshold=0), None),
+                                    ("tail_plain", prompts[:1], SpecPolicy(enabled=False, threshold=0), None),
+                                    ("tail_sd", prompts[:1], SpecPolicy(enabled=True, threshold=1, arm="d4k1v4",
+                                                                        ngram_arm=False), drafter)):
+            generate(policy, rows, greedy, max_new_tokens=8, eos_ids=[], spec=spec, drafter=d,
+                     harvest_hidden=False)  # warm-up
+            t = time.perf_counter()
+            res = generate(policy, rows, greedy, max_new_tokens=new_tokens, eos_ids=[], spec=spec, drafter=d,
+                           harvest_hidden=False)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            secs = time.perf_counter() - t
+            out[f"rollout_{name}_tokens_per_s"] = round(sum(int(n) for n in res.lengths) / secs, 1)
+            tails[name] = list(res.tokens[0])
+    out["rollout_sd_equals_plain"] = tails["tail_sd"] == tails["tail_plain"]  # lossless: greedy SD = plain
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers.tlt.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=32, help="rollout batch (the tail is 1)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    t0 = time.perf_counter()
+    out: dict = {"check": "gpu", "device": args.device, "shape": args.shape, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(0)
+    with tempfile.TemporaryDirectory(prefix="tlt-gpu-check-") as tmp:
+        folder = _policy_folder(args.shape, Path(tmp))
+        for name, fn in (("learner", lambda: learner_check(folder, args.device, dtype, args.rows, args.response_len)),
+                         ("rollout", lambda: rollout_check(folder, args.device, dtype, args.batch, args.new_tokens))):
+            print(f"[gpu-check] {name}", file=sys.stderr, flush=True)
+            try:
+                out.update(fn())
+                out[f"{name}_ok"] = True
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON line, the other check still runs
+                out[f"{name}_ok"], out[f"{name}_error"] = False, f"{type(exc).__name__}: {exc}"[:500]
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out))
+    return 0 if out.get("learner_ok") and out.get("rollout_ok") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Spot drafter training, scheduled by the driver (the single controller, as in verl).
+
+The driver waits on the step's rollouts with ray.wait; a worker whose shard is in packs its
+harvested records, then is idle; `SpotRounds` decides what each idle worker trains, and the driver
+sends it as one `spot_update` call. There is no coordinator actor and no polling:
+
+    rounds = SpotRounds(num_workers, master_state, data_refs, seed=..., step=..., update_steps=...)
+    jobs = rounds.idle(worker)                 # [(worker, job)] to send now (maybe none: wait for the round)
+    jobs = rounds.add_data(refs)               # more records (a worker packed its shard)
+    jobs = rounds.done(worker, result)         # an update came back (whole, or dropped when preempted)
+    master, stats = rounds.finish()            # after preemption and every outstanding result
+
+ONE drafter is trained. Training happens in rounds: the idle workers of round v start from the
+master weights of version v, each on a disjoint slice of the buffer, for `update_steps` optimizer
+steps; when every member has answered, the master becomes the parameter average of the whole
+updates (version v+1). A worker still training when the rollout ends is preempted and its update is
+dropped whole, so an update is applied whole or not at all and idle workers never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .drafter_train import average_state_dicts
+
+
+@dataclass
+class _Round:
+    version: int
+    members: list[int]
+    answered: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class SpotRounds:
+    """The step's spot-training schedule (plain Python: the driver calls it between ray.wait's)."""
+
+    def __init__(self, num_workers: int, master: dict[str, torch.Tensor], data_refs: list[Any], *, seed: int,
+                 step: int, update_steps: int, put: Callable[[Any], Any] = lambda x: x):
+        self.num_workers = num_workers
+        self.master = master
+        self.version = 0
+        self.data_refs = list(data_refs)
+        self.seed, self.step, self.update_steps = seed, step, update_steps
+        self._put = put  # ray.put in the driver: each version goes to the object store once
+        self._master_ref = put(master)
+        self.waiting: list[int] = []  # idle workers waiting for the next round
+        self.round: _Round | None = None
+        self.preempted = False
+        self.stats = {"steps": 0, "updates": 0, "dropped": 0, "loss": [], "accuracy": []}
+        self.trained_intervals: dict[int, list[tuple[float, float]]] = {}  # whole updates' optimizer time
+
+    def idle(self, worker: int) -> list[tuple[int, dict[str, Any]]]:
+        if not self.preempted and worker not in self.waiting:
+            self.waiting.append(worker)
+        return self._maybe_open()
+
+    def add_data(self, refs: list[Any]) -> list[tuple[int, dict[str, Any]]]:
+        self.data_refs.extend(refs)
+        return self._maybe_open()
+
+    def done(self, worker: int, result: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+        """A member's answer: {"state": weights or None, "steps", "loss", "accuracy", "interval", "empty"}."""
+        r = self.round
+        if r is None or worker not in r.members or result.get("version") != r.version:
+            return []
+        r.answered[worker] = result
+        if len(r.answered) == len(r.members):
+            self._close()
+            if not self.preempted:
+                for w in r.members:
+                    if w not in self.waiting:
+                        self.waiting.append(w)
+        return self._maybe_open()
+
+    def preempt(self) -> None:
+        """The rollout is over: nothing new starts; members still training drop their updates."""
+        self.preempted = True
+        self.waiting = []
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The master after this step's spot training, and drafter/* stats (call when every answer is in)."""
+        self.preempt()
+        if self.round is not None:  # members that never answered (a dead worker): dropped with the round
+            self.stats["dropped"] += len(self.round.members) - len(self.round.answered)
+            self._close()
+        s = self.stats
+        out = {"drafter/steps": float(s["steps"]), "drafter/updates": float(s["updates"]),
+               "drafter/dropped_updates": float(s["dropped"]), "drafter/version": float(self.version)}
+        if s["loss"]:
+            out["drafter/loss"] = float(sum(s["loss"][-8:]) / len(s["loss"][-8:]))
+        if s["accuracy"]:
+            out["drafter/accuracy"] = float(sum(s["accuracy"][-8:]) / len(s["accuracy"][-8:]))
+        return self.master, out
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _maybe_open(self) -> list[tuple[int, dict[str, Any]]]:
+        if self.preempted or self.round is not None or not self.waiting or not self.data_refs:
+            return []
+        members, self.waiting = self.waiting, []
+        self.round = _Round(self.version, members)
+        stride = self.num_workers
+        return [(w, {"version": self.version, "state": self._master_ref, "refs": list(self.data_refs),
+                     # disjoint within a round (rank), rotating over rounds so one member sees all data
+                     "slice": ((rank + self.version) % stride, stride), "steps": self.update_steps,
+                     "seed": hash((self.seed, self.step, self.version, rank)) & 0x7FFFFFFF})
+                for rank, w in enumerate(members)]
+
+    def _close(self) -> None:
+        r, self.round = self.round, None
+        whole = [(w, a) for w, a in r.answered.items() if a.get("state") is not None]
+        self.stats["dropped"] += sum(1 for a in r.answered.values() if a.get("state") is None and a.get("dropped"))
+        if not whole:
+            return
+        self.master = average_state_dicts([a["state"] for _, a in whole])
+        self.version += 1
+        self._master_ref = self._put(self.master)
+        for w, a in whole:
+            self.stats["steps"] += int(a.get("steps", 0))
+            self.stats["updates"] += 1
+            if "loss" in a:
+                self.stats["loss"].append(float(a["loss"]))
+            if "accuracy" in a:
+                self.stats["accuracy"].append(float(a["accuracy"]))
+            if a.get("interval"):
+                self.trained_intervals.setdefault(w, []).append(tuple(a["interval"]))
