@@ -19,7 +19,7 @@
   var shownStep = null;
   var seriesCache = {};
   var timer = null;
-  var COLORS = { generate: "#2f5fd0", idle: "#c9ced6", drafter: "#1b8a4b" };
+  var COLORS = { generate: "#2f5fd0", idle: "#c9ced6", drafter: "#1b8a4b", pack: "#e0a030" };
   var CONFIG = { responsive: true, displaylogo: false };
 
   function layout(title, extra) {
@@ -129,7 +129,8 @@
       layout("|rollout − learner log-prob| per token" + label + (sc["spec/acceptance_length"] !== undefined ? " (SD on)" : " (SD off)"),
         { xaxis: { title: { text: "|Δ log-prob|" }, type: "category" }, yaxis: { title: { text: "tokens" } } }));
 
-    var kinds = { generate: { x: [], y: [], base: [] }, idle: { x: [], y: [], base: [] }, drafter: { x: [], y: [], base: [] } };
+    var kinds = { generate: { x: [], y: [], base: [] }, idle: { x: [], y: [], base: [] }, pack: { x: [], y: [], base: [] },
+      drafter: { x: [], y: [], base: [] } };
     (s["idle/timeline"] || []).forEach(function (w) {
       (w.segments || []).forEach(function (seg) {
         var k = kinds[seg[0]] || (kinds[seg[0]] = { x: [], y: [], base: [] });
