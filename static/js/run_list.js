@@ -69,6 +69,12 @@
     cell(tr, duration(run.duration_s), "c-duration");
     cell(tr, num(run.reward, 3), "c-reward");
     cell(tr, num(run.acceptance, 2), "c-acceptance");
+    var speedup = cell(tr, run.tlt_speedup === null ? "—" : "", "c-speedup");
+    if (run.tlt_speedup !== null) {
+      var pair = document.createElement("a");
+      pair.href = run.url + "pair"; pair.title = "its A/B pair"; pair.textContent = run.tlt_speedup.toFixed(2) + "×";
+      speedup.appendChild(pair);
+    }
     cell(tr, run.team_name);
     cell(tr, run.creator || "—");
     cell(tr, run.preset || "custom");

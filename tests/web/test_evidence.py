@@ -89,6 +89,21 @@ def test_the_pair_figures_follow_from_the_measured_step_times(client, alice, run
     assert data["tlt"]["reward"][0] == pytest.approx(0.1) and data["reward_parity"]["within_noise"] is True
 
 
+def test_the_run_list_shows_each_side_of_a_pair_its_tlt_speedup_and_a_lone_run_none(client, alice, team, run):
+    lone = run_make(team, alice, name="lone")
+    base = _baseline_of(run)
+    for step in (1, 2, 3):
+        _record(run, step, **{"timing_s/step": 5.0})
+        _record(base, step, **{"timing_s/step": 8.0})
+    _record(run, 4, **{"timing_s/step": 100.0})  # a step the baseline has not run yet: not compared
+    client.force_login(alice)
+    rows = {r["id"]: r for r in client.get(reverse("api-runs")).json()["runs"]}
+    assert rows[str(run.id)]["tlt_speedup"] == pytest.approx(8 / 5) == rows[str(base.id)]["tlt_speedup"]
+    assert rows[str(lone.id)]["tlt_speedup"] is None
+    page = client.get(reverse("run-list")).content.decode()
+    assert page.count(reverse("run-pair", args=[run.id])) == 1 and "1.60×" in page
+
+
 def test_the_parity_test_rejects_a_consistent_gap_and_needs_enough_steps():
     same = evidence.reward_parity([0.5] * 8, [0.5] * 8)
     assert same["within_noise"] is True

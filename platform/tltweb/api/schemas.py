@@ -214,6 +214,8 @@ class RunOut(BaseModel):
     duration_s: float | None
     reward: float | None = Field(description="reward/mean of the newest step")
     acceptance: float | None = Field(description="spec/acceptance_length of the newest step")
+    tlt_speedup: float | None = Field(description="with an A/B partner: baseline step time / TLT step time over "
+                                                  "the steps both ran (the pair page's e2e_speedup)")
     progress: ProgressOut | None
     attempt: int = Field(description="0 for the first Ray job; each resume (automatic or a click) adds one")
     resumable: bool = Field(description="failed (not by a bad config) or cancelled and stopped: POST .../resume")

@@ -52,6 +52,24 @@ def run_pair_get_for_user(*, user: User, run_id: uuid.UUID | str) -> tuple[Run, 
     return tlt, base, member
 
 
+def pair_speedup(run: Run) -> float | None:
+    """The run list's "TLT speedup": its pair's e2e_speedup (as ab_summary defines it), None
+    without a partner or before both runs timed a common step. Reads step times only."""
+    partner = run_partner(run)
+    if partner is None or partner.is_tlt == run.is_tlt:
+        return None
+    tlt, base = (run, partner) if run.is_tlt else (partner, run)
+
+    def times(r: Run) -> dict[int, float]:
+        rows = MetricStep.objects.filter(run=r).annotate(t=KeyTransform("timing_s/step", "scalars"))
+        return {step: float(t) for step, t in rows.values_list("step", "t") if t}
+
+    t, b = times(tlt), times(base)
+    common = t.keys() & b.keys()
+    step_t = sum(t[k] for k in common)
+    return sum(b[k] for k in common) / step_t if step_t else None
+
+
 def _rows(run: Run) -> list[dict[str, Any]]:
     return list(MetricStep.objects.filter(run=run).order_by("step").values("step", "scalars"))
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Count, DurationField, ExpressionWrapper, F, FloatField, OuterRef, Q, QuerySet, Subquery, Value
+from django.db.models import (Count, DurationField, Exists, ExpressionWrapper, F, FloatField, OuterRef, Q, QuerySet,
+                              Subquery, Value)
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Coalesce, Now
 from django.http import Http404
@@ -116,6 +117,7 @@ def run_list_for_user(
         last_step=Subquery(MetricStep.objects.filter(run=OuterRef("pk")).order_by("-step").values("step")[:1]),
         latest_reward=_latest("reward/mean"),
         latest_acceptance=_latest("spec/acceptance_length"),
+        has_ab_partner=Exists(Run.objects.filter(ab_partner=OuterRef("pk"))),  # launched against it
         alert_count=Coalesce(Subquery(RunAlert.objects.filter(run=OuterRef("pk")).values("run").annotate(n=Count("pk"))
                                        .values("n")[:1]), Value(0)),
         duration=ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField()),
@@ -138,7 +140,9 @@ def run_sort_valid(sort: str) -> bool:
 
 def run_live(run: Run) -> dict[str, Any]:
     """What the run list shows live: progress step/total, phase, duration, latest reward and
-    acceptance. Reads the annotations of run_list_for_user when present, else queries."""
+    acceptance, and the TLT speedup of its A/B pair. Reads the annotations of run_list_for_user
+    when present, else queries."""
+    from tltweb.runs.evidence import pair_speedup  # evidence reads through these selectors
     if not hasattr(run, "last_step"):
         last = MetricStep.objects.filter(run=run).order_by("-step").values("step", "scalars").first()
         run.last_step = last["step"] if last else None
@@ -169,6 +173,7 @@ def run_live(run: Run) -> dict[str, Any]:
         "duration_s": duration_s,
         "reward": run.latest_reward,
         "acceptance": run.latest_acceptance,
+        "tlt_speedup": pair_speedup(run) if run.ab_partner_id or getattr(run, "has_ab_partner", True) else None,
     }
 
 

@@ -23,7 +23,7 @@ from workers.tlt.metrics import SCALAR_KEYS
 
 RUN_COLUMNS = [  # (sort key or "", header) of the run list, in order
     ("", ""), ("name", "Name"), ("state", "State"), ("step", "Progress"), ("", "Phase"), ("duration", "Duration"),
-    ("reward", "Reward"), ("acceptance", "Acceptance"), ("", "Team"), ("", "Creator"), ("", "Preset"), ("", "Tags"),
+    ("reward", "Reward"), ("acceptance", "Acceptance"), ("", "TLT speedup"), ("", "Team"), ("", "Creator"), ("", "Preset"), ("", "Tags"),
     ("created", "Created"),
 ]
 
