@@ -60,6 +60,7 @@ def test_keeps_leading_dimensions():
 @pytest.mark.parametrize("update", ["in_place", "new_tensor"])
 def test_a_weight_update_reaches_the_packed_kernel(update):
     """A policy weight sync changes the weight between two verify passes; the packed copy follows."""
+    torch.manual_seed(0)
     layer = Linear(256, 256, bias=False)
     layer.kernel = "onednn"
     x = torch.randn(4, 256)
@@ -71,8 +72,9 @@ def test_a_weight_update_reaches_the_packed_kernel(update):
         else:
             layer.weight = torch.nn.Parameter(new)
         after = layer(x)
-    torch.testing.assert_close(after, x @ new.t(), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(before, after)
+    # outputs are sums of 256 products of magnitude ~16: fp32 accumulation order alone moves them by ~1e-5
+    torch.testing.assert_close(after, x @ new.t(), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, after, rtol=1e-4, atol=1e-4)
 
 
 def test_training_keeps_autograd():
