@@ -36,7 +36,7 @@ def tiny_cfg(tlt: bool = True, steps: int = STEPS):
         "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 1.0},
         "spec": {"threshold": 8},
         "drafter": {"warmup_steps": 10, "batch_tokens": 256},
-        "grpo": {"lr": 1e-3, "micro_batch": 4},
+        "grpo": {"lr": 1e-3, "micro_batch": 4, "learner_ranks": 2},  # the FSDP2 group across 2 ranks
     })
 
 

@@ -29,7 +29,7 @@ def tiny_cfg(**rollout):
         "rollout": {"num_workers": 2, "samples_per_prompt": 2, "max_new_tokens": 40, "temperature": 1.0, **rollout},
         "spec": {"threshold": 8},
         "drafter": {"warmup_steps": 10, "batch_tokens": 256},
-        "grpo": {"lr": 1e-3, "micro_batch": 4},
+        "grpo": {"lr": 1e-3, "micro_batch": 4, "learner_ranks": 2},
     })
 
 

@@ -187,7 +187,8 @@ class GRPOSection(_Section):
     learner_ranks: int = Field(
         0, ge=0, le=1024,
         description="Learner ranks (Ray actors sharding the policy with FSDP2: one per GPU, or per CPU core). "
-                    "0: one per rollout worker's device when colocated, else one per CPU core (GPU: 1).")
+                    "0: on GPUs one per rollout worker's device when colocated, else 1; on a CPU machine 1 "
+                    "(ranks sharing one machine's cores only add collectives).")
     placement: Literal["colocated", "separate"] = Field(
         "colocated",
         description="colocated: learner rank i shares rollout worker i's device (half of its slot each; "
