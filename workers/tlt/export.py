@@ -92,15 +92,17 @@ def file_sha256(paths) -> str:
 
 
 def model_card(*, target_name: str, target_dir: str | Path, rl_step: int, training_tokens: int, depth: int,
-               acceptance_length: float | None = None, heldout_prompts: int = 0) -> dict:
+               acceptance_length: float | None = None, heldout_prompts: int = 0,
+               tokenizer_dir: str | Path | None = None) -> dict:
     """What a drafter version is and how to serve it (the registry's model card, model_card.json).
 
     target_dir: the policy folder this drafter was trained for (its weights' and tokenizer's
-    sha256 identify it); depth: the draft length to serve it with (the run's longest chain arm);
+    sha256 identify it; the tokenizer from tokenizer_dir when given: an RL checkpoint's policy
+    folder holds only weights); depth: the draft length to serve it with (the run's longest chain arm);
     acceptance_length: tokens per verify pass our engine measured on held-out prompts at export.
     """
     target_dir = Path(target_dir)
-    tokenizer = target_dir / "tokenizer.json"
+    tokenizer = Path(tokenizer_dir or target_dir) / "tokenizer.json"
     path = "<this folder>"
     return {
         "format": "eagle",

@@ -320,28 +320,30 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
         }
         step = self.step
-        export = self._export_drafter if self.tlt else None
+        # the model card's figures of this step, taken now: the export runs later in the checkpoint thread
+        card = dict(rl_step=step, training_tokens=self.drafter_tokens,
+                    acceptance_length=self.audit.get("audit/acceptance_length"),
+                    heldout_prompts=int(self.audit.get("audit/greedy_prompts", 0)))
+        export = (lambda folder: self._export_drafter(folder, card)) if self.tlt else None
         group = self.learner_group
         self.ckpt.save(step, policy=self.policy, state=state, drafter_state=self.drafter_state,
                        after_drafter=export, sharded=lambda f: group.save(f / "learner"),
                        sharded_done=group.saved)
 
-    def _export_drafter(self, folder: Path) -> tuple[str, int, Path] | None:
+    def _export_drafter(self, folder: Path, card: dict[str, Any]) -> tuple[str, int, Path] | None:
         """Runs in the checkpoint thread: vLLM EAGLE folder (with its model card) + zip, announced
-        from the main thread. The card's figures are taken now, on the main thread, for this step."""
+        from the main thread. `card`: the step's figures, taken on the main thread (save_checkpoint);
+        the target is this checkpoint's policy, the one the drafter was trained for."""
         from .drafter import Drafter
         from .export import export_drafter, model_card, zip_folder
 
-        step = int(folder.name.split("_")[-1])
-        card = model_card(target_name=self.cfg.model.source if self.cfg.model.source != "hf" else self.cfg.model.path,
-                          target_dir=self.policy_folder, rl_step=step, training_tokens=self.drafter_tokens,
-                          depth=max((d for d, _, _ in self.cfg.spec.strategies), default=1),
-                          acceptance_length=self.audit.get("audit/acceptance_length"),
-                          heldout_prompts=int(self.audit.get("audit/greedy_prompts", 0)))
+        full_card = model_card(target_name=self.cfg.model.source if self.cfg.model.source != "hf" else self.cfg.model.path,
+                               target_dir=folder / "policy", tokenizer_dir=self.policy_folder,
+                               depth=max((d for d, _, _ in self.cfg.spec.strategies), default=1), **card)
         drafter = Drafter(self.policy.config)
         drafter.load_state_dict(torch.load(folder / "drafter.pt", weights_only=True))
-        eagle = export_drafter(drafter, folder / "drafter_eagle", card=card)
-        return ("drafter", step, zip_folder(Path(eagle), folder / "drafter_eagle.zip"))
+        eagle = export_drafter(drafter, folder / "drafter_eagle", card=full_card)
+        return ("drafter", card["rl_step"], zip_folder(Path(eagle), folder / "drafter_eagle.zip"))
 
     def _spot_check(self) -> dict[str, float]:
         """audit.spot_check of the policy and master drafter as they are now, on held-out prompts
