@@ -72,8 +72,9 @@ def test_split_rows_deals_every_row_once_balancing_tokens():
     assert abs(loads[0] - loads[1]) <= max(lengths)
 
 
-def test_a_two_rank_step_equals_the_single_process_step(policy_dir, ray_local):
-    cfg = tiny_cfg()
+@pytest.mark.parametrize("micro_batch", [2, 1])  # 1: two micro-batches per rank, gradients reduced after the last
+def test_a_two_rank_step_equals_the_single_process_step(policy_dir, ray_local, micro_batch):
+    cfg = tiny_cfg(micro_batch=micro_batch)
     steps = [batch(1), batch(2)]
     ref_policy, ref_learner, ref_metrics = single_process(policy_dir, cfg, steps)
     g = group(cfg, policy_dir, 2)

@@ -1,8 +1,10 @@
 """The learner group's benchmark: 1 rank vs 2 ranks (FSDP2, gloo), and today's object-store sync
 vs the bucketed one, side by side in one invocation; the LAST stdout line is one JSON object.
 
-    python -m workers.tlt.bench learner [--preset smollm2-cpu] [--rows 8] [--prompt-len 32]
+    python -m workers.tlt.bench learner [--preset smollm2-mathmix-cpu] [--rows N] [--prompt-len 32]
                                         [--response-len 96] [--steps 2]
+
+The step is the preset's: its rows (prompts_per_step x samples_per_prompt) and its micro-batching.
 
 It reports
 
@@ -34,8 +36,9 @@ log = logging.getLogger("workers.tlt.bench")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="smollm2-cpu", help="the config whose policy is benchmarked")
-    p.add_argument("--rows", type=int, default=8, help="samples per step (groups of 2)")
+    p.add_argument("--preset", default="smollm2-mathmix-cpu", help="the config whose policy and step are benchmarked")
+    p.add_argument("--rows", type=int, default=None,
+                   help="samples per step (groups of 2); default: the preset's prompts_per_step x samples_per_prompt")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=96)
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
@@ -74,7 +77,7 @@ class _Receiver:
         return receive(manifest, dict(self.policy.named_parameters()))
 
     def digest(self) -> float:
-        return float(sum(p.double().sum() for p in self.policy.parameters()))
+        return float(sum(p.detach().double().sum() for p in self.policy.parameters()))
 
 
 def _learner(cfg, folder, pad_id: int, world: int, batches, cores: int) -> tuple[float, dict, Any]:
@@ -95,18 +98,20 @@ def _learner(cfg, folder, pad_id: int, world: int, batches, cores: int) -> tuple
 
 def cmd_learner(args: argparse.Namespace) -> int:
     from .config import preset
+    from .linear import cpu_name
     from .model import Transformer
     from .policies import prepare_policy_folder
     from .trainer import ensure_ray
 
     logging.basicConfig(level=logging.WARNING)
-    cfg = preset(args.preset, {"grpo": {"micro_batch": 4, "lr": 1e-5}})
+    cfg = preset(args.preset)
+    rows = args.rows or cfg.task.prompts_per_step * cfg.rollout.samples_per_prompt
     folder = prepare_policy_folder(cfg)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     cores = os.cpu_count() or 1
     started = ensure_ray(num_cpus=max(cores, 2))
     try:
-        batches = [_batch(vocab, args.rows, args.prompt_len, args.response_len, seed=s) for s in range(args.steps + 1)]
+        batches = [_batch(vocab, rows, args.prompt_len, args.response_len, seed=s) for s in range(args.steps + 1)]
         print(f"[bench learner] 1 rank, {cores} threads", file=sys.stderr, flush=True)
         tps1, state1, g1 = _learner(cfg, folder, 0, 1, batches, cores)
         g1.close()
@@ -136,7 +141,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
         if started:
             ray.shutdown()
     out = {
-        "bench": "learner", "preset": args.preset, "rows": args.rows, "cores": cores,
+        "bench": "learner", "preset": args.preset, "rows": rows, "cores": cores, "cpu": cpu_name(),
         "learner_tokens_per_s_1rank": round(tps1, 2), "learner_tokens_per_s_2rank": round(tps2, 2),
         "learner_2rank_vs_1rank": round(tps2 / tps1, 3) if tps1 else 0.0,
         "max_abs_diff_2rank_vs_1rank": diff,

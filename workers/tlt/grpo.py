@@ -203,8 +203,9 @@ class GRPOLearner:
 
     def __init__(self, policy: Transformer, cfg: GRPOSection, pad_id: int,
                  sampling: SamplingParams = SamplingParams(), ref: Transformer | None = None,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, accumulate_unsharded: bool = False):
         self.policy = policy
+        self.accumulate_unsharded = accumulate_unsharded  # FSDP2 only: see LearnerRankImpl._sharded
         self.cfg = cfg
         self.pad_id = pad_id
         self.sampling = sampling
@@ -295,7 +296,12 @@ class GRPOLearner:
         self.policy.train()
         for mb, (rows, denom) in enumerate(zip(members, denoms)):
             self.optimizer.zero_grad(set_to_none=True)
-            for c in chunks(rows):
+            mine = chunks(rows)
+            for i, c in enumerate(mine):
+                if self.accumulate_unsharded:  # gradients stay whole until the mini-batch's last backward
+                    last = i == len(mine) - 1
+                    self.policy.set_requires_gradient_sync(last)
+                    self.policy.set_reshard_after_backward(last)
                 if not c:  # nothing of this rank's in the chunk: a zero-loss dummy for the collectives
                     lp = response_logprobs(self.policy, *self._dummy(), self.sampling)
                     (lp.sum() * 0.0).backward()
