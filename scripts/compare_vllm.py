@@ -39,7 +39,7 @@ def _cpu_env() -> None:
 def _tiny(passthrough: bool):
     import torch
 
-    from workers.tlt.model import ModelConfig, Transformer, init_weights
+    from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
 
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
@@ -57,7 +57,7 @@ def _tiny(passthrough: bool):
 def _exact_drafter(policy):
     import torch
 
-    from workers.tlt.drafter import Drafter
+    from workers.tlt.models.drafter import Drafter
 
     d = Drafter.for_target(policy)
     H = policy.config.hidden_size
@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from workers.tlt.export import export_drafter, load_drafter
-    from workers.tlt.model import Transformer
-    from workers.tlt.rollout import SpecPolicy, generate
-    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.models.export import export_drafter, load_drafter
+    from workers.tlt.models.transformer import Transformer
+    from workers.tlt.rollout.engine import SpecPolicy, generate
+    from workers.tlt.rollout.sampling import SamplingParams
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     import vllm
 
-    from workers.tlt.drafter import Drafter
-    from workers.tlt.vllm_engine import VllmRolloutEngine
+    from workers.tlt.models.drafter import Drafter
+    from workers.tlt.rollout.vllm_engine import VllmRolloutEngine
 
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="tlt-compare-vllm-"))

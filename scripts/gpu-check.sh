@@ -11,4 +11,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 [[ -x .venv/bin/python ]] && [[ -z ${PYTHON:-} ]] && PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec timeout 480 "$PY" -m workers.tlt.gpu_check "$@"
+exec timeout 480 "$PY" -m workers.tlt.bench.gpu_check "$@"

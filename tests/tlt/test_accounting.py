@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from workers.tlt.accounting import Accounting, WorkerTimes
+from workers.tlt.cluster.accounting import Accounting, WorkerTimes
 
 
 def test_the_last_worker_to_finish_is_never_idle():

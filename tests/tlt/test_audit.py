@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from workers.tlt.audit import mismatch_histogram, spot_check
-from workers.tlt.drafter import Drafter
-from workers.tlt.model import ModelConfig, Transformer, init_weights
-from workers.tlt.rollout import SpecPolicy
+from workers.tlt.models.drafter import Drafter
+from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
+from workers.tlt.rollout.engine import SpecPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
 """BEG-MAB: tries every arm per bucket, exploits the best median, keeps buckets apart."""
 
-from workers.tlt.bandit import BucketedBandit
+from workers.tlt.rollout.bandit import BucketedBandit
 
 ARMS = ["off", "ngram", "d4k1v4", "d5k3v16"]
 REWARD = {"off": 10.0, "ngram": 12.0, "d4k1v4": 30.0, "d5k3v16": 20.0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.tlt.bench import _Eta, amdahl_bound, e2e, parse_overrides
+from workers.tlt.bench.e2e import _Eta, amdahl_bound, e2e, parse_overrides
 
 # the same tiny shape as test_trainer.py (its SFT'd policy is cached and shared)
 TINY = {

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from workers.tlt import bench
+from workers.tlt.bench import cli as bench
 
 KEYS = {"tail_tokens_per_s_sd", "tail_tokens_per_s_no_sd", "tail_speedup", "acceptance_length",
         "engine_vs_hf_generate", "greedy_identical", "drafter_train_top1", "drafter_heldout_top1",

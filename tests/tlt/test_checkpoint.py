@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from workers.tlt.checkpoint import COMPLETE, CheckpointManager, capture_rng, restore_rng
-from workers.tlt.model import ModelConfig, Transformer, init_weights
+from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
 
 
 def tiny_policy() -> Transformer:

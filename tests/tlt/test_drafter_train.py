@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from workers.tlt.buffer import DrafterBuffer
+from workers.tlt.learn.buffer import DrafterBuffer
 from workers.tlt.config import DrafterSection, ModelSection
-from workers.tlt.drafter import Drafter
-from workers.tlt.drafter_train import DrafterTrainer, average_state_dicts, drafter_loss, unrolled_predictions
-from workers.tlt.sft import build_tiny_model
+from workers.tlt.models.drafter import Drafter
+from workers.tlt.learn.drafter_train import DrafterTrainer, average_state_dicts, drafter_loss, unrolled_predictions
+from workers.tlt.learn.sft import build_tiny_model
 
 SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 H = SMALL.hidden_size
@@ -208,8 +208,8 @@ def test_average_state_dicts_is_the_elementwise_mean():
 
 
 def test_the_warmup_recipe_trains_on_the_policys_answers_and_caches_data_and_drafter(target, tmp_path):
-    from workers.tlt import drafter_warmup
-    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.learn import drafter_warmup
+    from workers.tlt.rollout.sampling import SamplingParams
     from workers.tlt.tasks import make_task
 
     task = make_task("longtail")

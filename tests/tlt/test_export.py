@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from workers.tlt.drafter import Drafter
-from workers.tlt.export import drafter_tensor_shapes, export_drafter, export_policy, load_drafter, zip_folder
-from workers.tlt.model import ModelConfig, Transformer, init_weights
+from workers.tlt.models.drafter import Drafter
+from workers.tlt.models.export import drafter_tensor_shapes, export_drafter, export_policy, load_drafter, zip_folder
+from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
 
 LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, extra={"hidden_act": "silu"})
@@ -105,7 +105,7 @@ def test_zips_are_flat_and_reproducible(tmp_path):
 
 
 def test_the_model_card_identifies_the_target_and_says_how_to_serve_the_drafter(tmp_path):
-    from workers.tlt.export import model_card
+    from workers.tlt.models.export import model_card
 
     policy = target()
     export_policy(policy, tmp_path / "policy")

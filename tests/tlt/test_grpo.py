@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from workers.tlt.config import GRPOSection
-from workers.tlt.grpo import (GRPOLearner, RolloutBatch, group_advantages, micro_batches, pad_sequences,
+from workers.tlt.learn.grpo import (GRPOLearner, RolloutBatch, group_advantages, micro_batches, pad_sequences,
                               response_logprobs)
-from workers.tlt.model import ModelConfig, Transformer, init_weights
-from workers.tlt.sampling import SamplingParams
+from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
+from workers.tlt.rollout.sampling import SamplingParams
 
 T1 = SamplingParams(temperature=1.0)
 

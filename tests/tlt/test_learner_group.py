@@ -9,11 +9,11 @@ import ray
 import torch
 
 from workers.tlt.config import preset
-from workers.tlt.grpo import GRPOLearner, RolloutBatch, split_rows
-from workers.tlt.learner_group import LearnerGroup
-from workers.tlt.model import ModelConfig, Transformer, init_weights
-from workers.tlt.sampling import sampling_params
-from workers.tlt.weight_sync import BucketPublisher, receive
+from workers.tlt.learn.grpo import GRPOLearner, RolloutBatch, split_rows
+from workers.tlt.cluster.learner_group import LearnerGroup
+from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
+from workers.tlt.rollout.sampling import sampling_params
+from workers.tlt.cluster.weight_sync import BucketPublisher, receive
 
 TOL = 1e-5  # fp32: the bound for 2 ranks vs 1
 

@@ -1,4 +1,4 @@
-"""workers/tlt/linear.py: every kernel computes what F.linear computes, never with a stale packed
+"""workers/tlt/models/linear.py: every kernel computes what F.linear computes, never with a stale packed
 weight; the oneDNN kernel is batch-invariant (bit for bit) on real-size layers; tuning chooses per
 machine and caches its choice."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tlt import linear
-from workers.tlt.linear import KERNELS, MAX_FEW_ROWS, Linear, tune
+from workers.tlt.models import linear
+from workers.tlt.models.linear import KERNELS, MAX_FEW_ROWS, Linear, tune
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.tlt.model import Transformer, causal_mask
+from workers.tlt.models.transformer import Transformer, causal_mask
 
 transformers = pytest.importorskip("transformers")
 

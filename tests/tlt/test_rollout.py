@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from workers.tlt.drafter import Drafter
-from workers.tlt.model import ModelConfig, Transformer, init_weights
-from workers.tlt.rollout import SpecPolicy, generate
-from workers.tlt.sampling import SamplingParams, process, token_logprobs
+from workers.tlt.models.drafter import Drafter
+from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
+from workers.tlt.rollout.engine import SpecPolicy, generate
+from workers.tlt.rollout.sampling import SamplingParams, process, token_logprobs
 
 BOS = 1
 GREEDY = SamplingParams(temperature=0)
@@ -295,7 +295,7 @@ def test_sd_on_real_size_layers_and_packed_kernels_emits_the_plain_decoding_toke
 
 
 def test_the_tail_share_and_the_arm_timeline_are_measured_and_merge_per_worker(model, drafters):
-    from workers.tlt.rollout import RolloutMetrics
+    from workers.tlt.rollout.engine import RolloutMetrics
 
     res = generate(model, _prompts(8), GREEDY, max_new_tokens=24, eos_ids=EOS, drafter=drafters["noisy"],
                    spec=SpecPolicy(threshold=4, epsilon=0.0))

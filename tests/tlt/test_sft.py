@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from workers.tlt.config import ModelSection
-from workers.tlt.model import Transformer
-from workers.tlt.sft import build_tiny_model, collate_examples, generate_ids, length_groups, sft
+from workers.tlt.models.transformer import Transformer
+from workers.tlt.learn.sft import build_tiny_model, collate_examples, generate_ids, length_groups, sft
 
 SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 

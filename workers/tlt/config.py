@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from . import spec_defaults
+from .rollout import spec_defaults
 
 
 class ConfigError(ValueError):

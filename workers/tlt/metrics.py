@@ -92,7 +92,7 @@ SERIES_KEYS = {
     "spec/arm_timeline": "[{worker, t: [s], arm: [label]}]: the SD arm in force over rollout time (at each change)",
     "idle/timeline": "[{worker: int, segments: [[kind, start_s, end_s]]}], kind in generate|idle|drafter",
     "rollout/samples": "[{sample, prompt, tokens: [str], from_draft: [0|1], reward, length, truncated}]: "
-                       "a few of the step's responses (samples.py)",
+                       "a few of the step's responses (rollout/samples.py)",
 }
 # Optional series: up to 8 of the step's responses for the platform's sample viewer (stored apart
 # from the other series, so the charts never load them): [{sample: int, prompt: str, tokens: [str],

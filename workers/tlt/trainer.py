@@ -13,11 +13,11 @@ One step:
              the drafter when it changed; the driver forwards only the manifests, workers copy in
     rollout  each worker generates its shard of prompts (SD in the tail when TLT is on); the driver
              waits with ray.wait: a worker whose shard is in packs its records and gets drafter
-             updates to train (spot.py's rounds) until the last shard is in; then the driver preempts
+             updates to train (cluster/spot.py's rounds) until the last shard is in; then the driver preempts
              every update in flight. A worker that dies or hangs is replaced and the rollout rerun;
              spot training that fails leaves the run on SD without retraining (drafter/spot_failed)
     reward   the task scores every response
-    learner  GRPO update in the learner group (learner_group.py: FSDP2 ranks on Ray; its forward gives
+    learner  GRPO update in the learner group (cluster/learner_group.py: FSDP2 ranks on Ray; its forward gives
              the old log-probs, and the hidden states when the rollout engine returns none)
     buffer   the master drafter and the workers' spot-training results are collected; this step's
              harvested (tokens, hidden) records join the online buffer
@@ -47,16 +47,16 @@ import numpy as np
 import ray
 import torch
 
-from .accounting import Accounting, WorkerTimes
+from .cluster.accounting import Accounting, WorkerTimes
 from .checkpoint import CheckpointManager, capture_rng, restore_rng
 from .config import TLTConfig
-from .grpo import RolloutBatch
+from .learn.grpo import RolloutBatch
 from .metrics import Tracking
-from .model import Transformer
-from .policies import prepare_policy_folder
-from .rollout import RolloutMetrics
-from .samples import prompt_lengths, step_samples
-from .sampling import sampling_params
+from .models.transformer import Transformer
+from .models.policies import prepare_policy_folder
+from .rollout.engine import RolloutMetrics
+from .rollout.samples import prompt_lengths, step_samples
+from .rollout.sampling import sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Trainer:
         if self.device == "cpu":
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-        from .sft import reporting_sft_steps
+        from .learn.sft import reporting_sft_steps
 
         t = time.perf_counter()
         sft_total = cfg.model.sft_steps if cfg.model.source == "tiny" else 1  # progress: SFT steps, or one load
@@ -210,8 +210,8 @@ class Trainer:
         self.eos_ids = sorted({self.task.eos_id, *self.policy.config.eos_ids})
         self.prompt_rng = random.Random(cfg.run.seed)
 
-        from .buffer import DrafterBuffer
-        from .drafter import Drafter
+        from .learn.buffer import DrafterBuffer
+        from .models.drafter import Drafter
 
         self.buffer = DrafterBuffer(cfg.drafter.buffer_tokens)
         self.drafter = Drafter.for_target(self.policy, seed=cfg.run.seed)
@@ -233,8 +233,8 @@ class Trainer:
 
     def _warmup_drafter(self) -> None:
         """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only;
-        drafter_warmup.py: one recipe with the rollout bench, cached across runs)."""
-        from .drafter_warmup import warmup_drafter, weights_digest
+        learn/drafter_warmup.py: one recipe with the rollout bench, cached across runs)."""
+        from .learn.drafter_warmup import warmup_drafter, weights_digest
 
         cfg = self.cfg
         prompts, steps = cfg.drafter.warmup_prompts, cfg.drafter.warmup_steps
@@ -256,9 +256,9 @@ class Trainer:
         self.drafter_tokens = info["steps"] * cfg.drafter.warmup_batch_tokens
 
     def _start_actors(self) -> None:
-        from .learner_group import LearnerGroup
-        from .placement import plan_placement
-        from .ray_workers import RolloutWorker
+        from .cluster.learner_group import LearnerGroup
+        from .cluster.placement import plan_placement
+        from .cluster.rollout_workers import RolloutWorker
 
         cfg = self.cfg
         W = cfg.rollout.num_workers
@@ -298,7 +298,7 @@ class Trainer:
         self._learner_updates = self.step
         self.prompt_rng.setstate(st["prompt_rng"])
         restore_rng(st["rng"])
-        from .buffer import DrafterBuffer
+        from .learn.buffer import DrafterBuffer
 
         self.buffer = DrafterBuffer.from_state_dict(st["buffer"])
         self.worker_states = st.get("worker_states") or self.worker_states
@@ -334,8 +334,8 @@ class Trainer:
         """Runs in the checkpoint thread: vLLM EAGLE folder (with its model card) + zip, announced
         from the main thread. `card`: the step's figures, taken on the main thread (save_checkpoint);
         the target is this checkpoint's policy, the one the drafter was trained for."""
-        from .drafter import Drafter
-        from .export import export_drafter, model_card, zip_folder
+        from .models.drafter import Drafter
+        from .models.export import export_drafter, model_card, zip_folder
 
         full_card = model_card(target_name=self.cfg.model.source if self.cfg.model.source != "hf" else self.cfg.model.path,
                                target_dir=folder / "policy", tokenizer_dir=self.policy_folder,
@@ -349,7 +349,7 @@ class Trainer:
         """audit.spot_check of the policy and master drafter as they are now, on held-out prompts
         (their own generator, so never this run's training prompts' stream)."""
         from .audit import spot_check
-        from .rollout import SpecPolicy
+        from .rollout.engine import SpecPolicy
 
         cfg = self.cfg
         self._refresh_driver_policy()  # the learner's latest weights into the driver's copy
@@ -374,14 +374,14 @@ class Trainer:
         return self._policy_manifest
 
     def _refresh_driver_policy(self) -> None:
-        from .weight_sync import receive
+        from .cluster.weight_sync import receive
 
         manifest = self._publish_policy()
         receive(manifest, dict(self.policy.named_parameters()))
 
     def _publish_drafter(self):
         """The drafter in buckets, a new version whenever its weights changed."""
-        from .weight_sync import BucketPublisher
+        from .cluster.weight_sync import BucketPublisher
 
         if self._drafter_pub is None:
             self._drafter_pub = BucketPublisher("drafter", self.cfg.grpo.sync_bucket_mb << 20)
@@ -394,7 +394,7 @@ class Trainer:
     def _sync(self) -> tuple[Any, dict[str, float]]:
         """Policy and drafter to every worker, as bucket manifests (the driver never holds the policy's
         bytes); returns the drafter's object reference (spot training's master) and sync/* scalars."""
-        from .learner_group import get_all
+        from .cluster.learner_group import get_all
 
         policy = self._publish_policy()
         drafter = self._publish_drafter() if self.tlt else None
@@ -561,7 +561,7 @@ class Trainer:
         """Rollouts out, then ray.wait: each worker whose shard is in packs its records and trains the
         drafter in the rounds spot.SpotRounds schedules until the last shard is in; then every worker
         is preempted. Returns the results and the spot state still to collect (or None)."""
-        from .spot import SpotRounds
+        from .cluster.spot import SpotRounds
 
         cfg = self.cfg
         W = len(self.workers)
@@ -643,7 +643,7 @@ class Trainer:
             w.preempt.remote()
 
     def _call_worker(self, i: int, method: str, *args) -> Any:
-        from .learner_group import get_all
+        from .cluster.learner_group import get_all
 
         return get_all([getattr(self.workers[i], method).remote(*args)], self.cfg.rollout.timeout_s,
                        f"rollout worker {i} {method}")[0]
@@ -657,7 +657,7 @@ class Trainer:
     def _restart_workers(self, workers: list[int]) -> None:
         """Fresh actors in the same bundles, with the last checkpoint's worker state; the weights
         follow with a sync (the new actors hold no drafter version, so they load it too)."""
-        from .learner_group import get_all
+        from .cluster.learner_group import get_all
 
         for i in workers:
             ray.kill(self.workers[i], no_restart=True)
@@ -675,7 +675,7 @@ class Trainer:
             self.run_step()
         self._announce_artifacts(self.ckpt.flush())
         if self.step >= self.cfg.run.steps:
-            from .export import export_policy, zip_folder
+            from .models.export import export_policy, zip_folder
 
             self._refresh_driver_policy()
             final = export_policy(self.policy, self.out / "policy", tokenizer=self.policy_folder)

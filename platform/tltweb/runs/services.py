@@ -690,7 +690,7 @@ def artifact_store(
     return artifact
 
 
-MODEL_CARD_NAME = "model_card.json"  # workers/tlt/export.py writes it into the drafter's folder
+MODEL_CARD_NAME = "model_card.json"  # workers/tlt/models/export.py writes it into the drafter's folder
 MAX_META_BYTES = 64 * 1024
 
 

@@ -34,7 +34,7 @@ from .learner_rank import LearnerRankImpl
 log = logging.getLogger(__name__)
 
 
-LearnerRank = ray.remote(LearnerRankImpl)  # the same class runs in-process on a bare GPU node (gpu_check.py)
+LearnerRank = ray.remote(LearnerRankImpl)  # the same class runs in-process on a bare GPU node (bench/gpu_check.py)
 
 
 def get_all(refs: list, timeout: float | None, what: str) -> list:

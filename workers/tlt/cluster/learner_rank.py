@@ -1,4 +1,4 @@
-"""One learner rank (no Ray at import: a bare GPU node runs it in-process, see gpu_check.py).
+"""One learner rank (no Ray at import: a bare GPU node runs it in-process, see bench/gpu_check.py).
 
 learner_group.py makes it a Ray actor and describes the group; this is its body: FSDP2 over an
 explicit device mesh, the GRPO step on this rank's share, publish, and DCP checkpoints.
@@ -35,9 +35,9 @@ class LearnerRankImpl:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .grpo import GRPOLearner
-        from .model import Transformer
-        from .sampling import sampling_params
+        from ..learn.grpo import GRPOLearner
+        from ..models.transformer import Transformer
+        from ..rollout.sampling import sampling_params
 
         torch.set_num_threads(threads)
         self.rank, self.world, self.cfg = rank, world, cfg

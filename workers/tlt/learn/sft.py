@@ -4,7 +4,7 @@ RL needs a policy that sometimes gets the answer right; a randomly initialised m
 A few hundred steps of supervised fine-tuning on gold solutions get it there (accuracy well above
 zero, but not perfect, so RL still has something to learn):
 
-    python -m workers.tlt.sft --steps 300 --out var/models/tiny-longtail
+    python -m workers.tlt.learn.sft --steps 300 --out var/models/tiny-longtail
 
     model = build_tiny_model(cfg.model, vocab_size=18, bos_id=1, eos_id=2)
     losses = sft(model, examples, steps=300, lr=3e-3, batch_size=32, seed=0)
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import ModelSection
-from .model import ModelConfig, Transformer, init_weights
+from ..config import ModelSection
+from ..models.transformer import ModelConfig, Transformer, init_weights
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ def sft(model: Transformer, examples: Sequence[Example], steps: int, lr: float =
 def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
                  temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
     """Responses (ids, ending at and including EOS when one was produced) from the rollout engine."""
-    from .rollout import generate
-    from .sampling import SamplingParams
+    from ..rollout.engine import generate
+    from ..rollout.sampling import SamplingParams
 
     res = generate(model, prompts, SamplingParams(temperature=temperature), max_new_tokens=max_new_tokens,
                    eos_ids=eos_ids, seed=seed, harvest_hidden=False)
@@ -182,7 +182,7 @@ def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
 
 def evaluate_longtail(model: Transformer, n: int = 64, seed: int = 12345, max_new_tokens: int = 192) -> float:
     """Greedy accuracy (mean reward) of `model` on `n` fresh long-tail prompts."""
-    from .tasks.longtail import LongTailTask
+    from ..tasks.longtail import LongTailTask
 
     task = LongTailTask()
     prompts = task.sample_prompts(n, random.Random(seed))
@@ -194,7 +194,7 @@ def train_tiny_longtail(cfg: ModelSection, steps: int, out: str | Path | None = 
                         batch_size: int = 32, num_examples: int = 20_000, seed: int = 0,
                         on_progress: Callable[[int, float], None] | None = None) -> tuple[Transformer, list[float]]:
     """Build the tiny model, SFT it on gold long-tail solutions, optionally save it to `out`."""
-    from .tasks.longtail import BOS, EOS, LongTailTask, save_tokenizer
+    from ..tasks.longtail import BOS, EOS, LongTailTask, save_tokenizer
 
     task = LongTailTask()
     tok = task.tokenizer

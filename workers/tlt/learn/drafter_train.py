@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .buffer import Batch, DrafterBuffer
-from .drafter import Drafter
+from ..models.drafter import Drafter
 
 if TYPE_CHECKING:  # the config needs pydantic; the loss alone (bench rollout on a bare GPU node) does not
-    from .config import DrafterSection
+    from ..config import DrafterSection
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class DrafterTrainer:
                  grad_clip: float = 1.0, weight_decay: float = 0.0, seed: int = 0):
         self.drafter = drafter
         if cfg is None:
-            from .config import DrafterSection
+            from ..config import DrafterSection
 
             cfg = DrafterSection()
         self.cfg = cfg
@@ -160,7 +160,7 @@ class DrafterTrainer:
             return None
         key = (counts.data_ptr(), counts._version)
         if self._vocab_cache is None or self._vocab_cache[0] != key:
-            from .speculative import draft_vocab_ids
+            from ..rollout.speculative import draft_vocab_ids
 
             eos = self.drafter.config.eos_ids
             self._vocab_cache = (key, draft_vocab_ids(counts.float().cpu(), self.cfg.train_vocab, eos).to(counts.device))

@@ -5,7 +5,7 @@
 
 What it does, in one process on one machine:
 
-1. Loads the policy (SmolLM2-135M-Instruct, converted once by smollm2.py, with the math word-problem
+1. Loads the policy (SmolLM2-135M-Instruct, converted once by models/smollm2.py, with the math word-problem
    task; or the SFT'd tiny model with the long-tail task) with our engine AND with transformers.
 2. Adapts an EAGLE drafter to the policy the way TLT does: the policy answers TRAINING prompts of the
    task (the engine harvests its hidden states), the drafter trains on those whole responses
@@ -24,7 +24,7 @@ Progress goes to stderr; the LAST stdout line is one JSON object (keys in `run`'
 
 CPU notes (SmolLM2-135M, fp32, 2 AVX2 cores, no AVX-512/AMX): decode and verify passes are bound
 by reading ~540 MB of weights. PyTorch's default kernels (MKL sgemv for one row, small-M sgemm for
-a few) read them at ~11 GB/s; linear.py routes them to faster kernels, so a batch-1 decode step
+a few) read them at ~11 GB/s; models/linear.py routes them to faster kernels, so a batch-1 decode step
 takes ~25-31 ms (was ~58) and verifying 7 tokens ~1.5 decode steps. The reduced draft
 vocabulary (--draft-vocab 4096) cuts each draft step's head from ~10 ms to well under 1 ms.
 bfloat16/float16 weights are slower here for T > 1 (no native bf16 matmul), so float32 is the
@@ -44,9 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("workers.tlt.bench_rollout")
+log = logging.getLogger("workers.tlt.bench.rollout")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
     "smollm2": dict(max_new_tokens=256, train_prompts=1920, train_steps=1800, batch_tokens=1536, lr=1e-3,
@@ -68,8 +68,8 @@ def _dtype(name: str):
 
 def _tiny_folder(args: argparse.Namespace) -> Path:
     """The SFT'd tiny policy of the tiny-cpu preset (the trainer's cached one), or with --sft-steps."""
-    from .config import preset  # pydantic: only the tiny path needs it
-    from .policies import prepare_policy_folder
+    from ..config import preset  # pydantic: only the tiny path needs it
+    from ..models.policies import prepare_policy_folder
 
     overrides = {"model": {"sft_steps": args.sft_steps}} if args.sft_steps is not None else None
     return prepare_policy_folder(preset("tiny-cpu", overrides))
@@ -77,14 +77,14 @@ def _tiny_folder(args: argparse.Namespace) -> Path:
 
 def load_policy(args: argparse.Namespace):
     """(model folder, our Transformer, task, eos ids)."""
-    from .model import Transformer
-    from .tasks import make_task
+    from ..models.transformer import Transformer
+    from ..tasks import make_task
 
     if args.model == "smollm2":
         if args.model_path:
             folder = Path(args.model_path)
         else:
-            from .smollm2 import ensure_smollm2
+            from ..models.smollm2 import ensure_smollm2
 
             folder = ensure_smollm2(REPO_ROOT / "var" / "models" / "smollm2-135m")
         task = make_task("math", tokenizer=folder)
@@ -99,12 +99,12 @@ def load_policy(args: argparse.Namespace):
 # --- the adapted drafter --------------------------------------------------------------------------
 
 def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
-    """The drafter adapted to the policy by the product's own warm-up recipe (drafter_warmup.py) on
+    """The drafter adapted to the policy by the product's own warm-up recipe (learn/drafter_warmup.py) on
     the policy's answers to training prompts; cached under --cache-dir."""
     from types import SimpleNamespace
 
-    from .drafter_warmup import warmup_drafter, weights_digest
-    from .sampling import SamplingParams
+    from ..learn.drafter_warmup import warmup_drafter, weights_digest
+    from ..rollout.sampling import SamplingParams
 
     recipe = SimpleNamespace(  # the fields of config.DrafterSection the recipe reads (no pydantic here)
         warmup_prompts=args.train_prompts, warmup_steps=args.train_steps, warmup_max_new_tokens=args.max_new_tokens,
@@ -161,8 +161,8 @@ AUTO_ARMS = ("d4k1v4", "d6k1v6", "d8k1v8", "d5k2v8", "ngram")
 def calibrate_arm(model, drafter, prompt, args, eos) -> tuple[str, dict[str, float]]:
     """--arm auto: decode one held-out calibration prompt (not a measured one) with each candidate
     arm at batch 1 and keep the fastest, i.e. what the bandit converges to in the batch-1 bucket."""
-    from .rollout import SpecPolicy, generate
-    from .sampling import SamplingParams
+    from ..rollout.engine import SpecPolicy, generate
+    from ..rollout.sampling import SamplingParams
 
     rates = {}
     for arm in AUTO_ARMS:
@@ -176,8 +176,8 @@ def calibrate_arm(model, drafter, prompt, args, eos) -> tuple[str, dict[str, flo
 
 def tail_batch1(model, drafter, prompts, args, eos) -> dict[str, Any]:
     """Each held-out prompt alone (batch 1 = the deepest tail), plain vs SD with a forced arm."""
-    from .rollout import SpecPolicy, generate
-    from .sampling import SamplingParams
+    from ..rollout.engine import SpecPolicy, generate
+    from ..rollout.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     plain = SpecPolicy(enabled=False, threshold=1)
@@ -251,8 +251,8 @@ def hf_generate(folder: Path, prompts, args, eos, ours: list[list[int]]) -> dict
 
 def whole_rollout(model, drafter, prompts, args, eos) -> dict[str, Any]:
     """All held-out prompts in one batch: SD on in the tail (bandit over arms) vs never."""
-    from .rollout import SpecPolicy, generate
-    from .sampling import SamplingParams
+    from ..rollout.engine import SpecPolicy, generate
+    from ..rollout.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     base = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos,
@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tail = tail_batch1(model, drafter, tail_prompts, args, eos)
     head = None
     if args.draft_vocab:
-        from .rollout import SpecPolicy
+        from ..rollout.engine import SpecPolicy
 
         head = SpecPolicy(draft_vocab=args.draft_vocab).draft_head(drafter, model.config.vocab_size, eos).ids
     top1 = heldout_top1(drafter, tail.pop("_seqs"), head)
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result.update(whole_rollout(model, drafter, held, args, eos))
     result.update({f"drafter_{k}": v for k, v in info.items()})
     result.update({f"drafter_{k}": v for k, v in top1.items()})
-    from .linear import chosen_kernels, cpu_flags, cpu_name
+    from ..models.linear import chosen_kernels, cpu_flags, cpu_name
 
     result.update({"torch": torch.__version__, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
                    "kernels": chosen_kernels(model),
@@ -381,7 +381,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.tlt.bench_rollout", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m workers.tlt.bench.rollout", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 """GPU readiness on a bare node (torch + transformers only: no Ray, no vLLM, no network).
 
     scripts/gpu-check.sh                      # what a lent GPU machine runs; under 8 minutes
-    python -m workers.tlt.gpu_check [--device cuda] [--shape 1b|tiny] [--rows 8] [--response-len 512]
+    python -m workers.tlt.bench.gpu_check [--device cuda] [--shape 1b|tiny] [--rows 8] [--response-len 512]
 
 With a random-init 1B-class Llama shape it runs, and reports in one JSON line (the last stdout line):
 
@@ -36,7 +36,7 @@ SHAPES = {  # Llama-3.2-1B-like, and a tiny one for trying the script on a CPU
 
 
 def _policy_folder(shape: str, root: Path) -> Path:
-    from .model import ModelConfig, Transformer, init_weights
+    from ..models.transformer import ModelConfig, Transformer, init_weights
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**SHAPES[shape], eos_token_id=2, max_position_embeddings=4096))
@@ -54,8 +54,8 @@ def _cfg(dtype: str) -> SimpleNamespace:
 
 
 def learner_check(folder: Path, device: str, dtype: str, rows: int, response_len: int) -> dict:
-    from .grpo import RolloutBatch
-    from .learner_rank import LearnerRankImpl, free_port
+    from ..learn.grpo import RolloutBatch
+    from ..cluster.learner_rank import LearnerRankImpl, free_port
 
     rank = LearnerRankImpl()
     rank.setup(0, 1, "127.0.0.1", free_port(), str(folder), _cfg(dtype), pad_id=0,
@@ -89,10 +89,10 @@ def learner_check(folder: Path, device: str, dtype: str, rows: int, response_len
 
 
 def rollout_check(folder: Path, device: str, dtype: str, batch: int, new_tokens: int) -> dict:
-    from .drafter import Drafter
-    from .model import Transformer
-    from .rollout import SpecPolicy, generate
-    from .sampling import SamplingParams
+    from ..models.drafter import Drafter
+    from ..models.transformer import Transformer
+    from ..rollout.engine import SpecPolicy, generate
+    from ..rollout.sampling import SamplingParams
 
     policy = Transformer.from_pretrained(folder, dtype=getattr(torch, dtype), device=device).eval()
     drafter = Drafter.for_target(policy).eval()
@@ -122,7 +122,7 @@ def rollout_check(folder: Path, device: str, dtype: str, batch: int, new_tokens:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.tlt.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m workers.tlt.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--rows", type=int, default=8)

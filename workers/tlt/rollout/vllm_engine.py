@@ -1,6 +1,6 @@
 """vLLM rollout engine: the GPU-node twin of the built-in engine (rollout.generate), same result type.
 
-    from workers.tlt.vllm_engine import VllmRolloutEngine
+    from workers.tlt.rollout.vllm_engine import VllmRolloutEngine
     engine = VllmRolloutEngine.from_config(cfg, policy_dir="ckpt/policy", drafter_dir="ckpt/drafter")
     res = engine.generate(prompts, SamplingParams(temperature=1.0), max_new_tokens=512, eos_ids=[2])
     res.tokens, res.logprobs, res.lengths, res.finished, res.metrics   # rollout.RolloutResult
@@ -21,7 +21,7 @@ How each TLT part maps onto vLLM:
   the distribution the token was drawn from, as the built-in engine reports them
   (sampling.token_logprobs) and the learner scores them.
 - Drafter: EAGLE, `speculative_config={"method": "eagle", "model": <exported drafter folder>,
-  "num_speculative_tokens": k}` (folder layout: DESIGN.md section 6, export.py). vLLM drafts chains
+  "num_speculative_tokens": k}` (folder layout: DESIGN.md section 6, models/export.py). vLLM drafts chains
   only, so k is the depth of the first chain arm (top-k 1) in spec.strategies.
 - SD only in the tail: vLLM's dynamic speculative decoding, `num_speculative_tokens_per_batch_size
   = [(1, threshold, k), (threshold + 1, max_num_seqs, 0)]`: k drafts while at most `threshold`
@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .rollout import RolloutMetrics, RolloutResult
+from .engine import RolloutMetrics, RolloutResult
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter import Drafter
-from .model import ModelConfig, Transformer
+from .transformer import ModelConfig, Transformer
 
 DRAFTER_MARKER = "tlt_drafter"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",

@@ -1,6 +1,6 @@
 """Speculative decoding pieces: drafting (EAGLE chain/tree, n-gram) and lossless verification.
 
-rollout.py owns the loop; this module holds the parts it calls once per verify pass:
+engine.py owns the loop; this module holds the parts it calls once per verify pass:
 
     tree = draft(drafter, dcache, hid, seq, lengths, s_max, depth=4, topk=1, verify=4, ...)
     anc = ancestors(tree)                                   # [B, T, T]
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .linear import Linear
-from .model import KVCache
+from ..models.linear import Linear
+from ..models.transformer import KVCache
 from .sampling import SamplingParams, process, sample
 
 

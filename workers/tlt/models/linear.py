@@ -135,7 +135,7 @@ def cpu_flags() -> list[str]:
 
 def kernel_cache_path() -> Path:
     """Where tuned choices are kept (env TLT_KERNEL_CACHE; default var/models/kernels.json)."""
-    default = Path(__file__).resolve().parents[2] / "var" / "models" / "kernels.json"
+    default = Path(__file__).resolve().parents[3] / "var" / "models" / "kernels.json"
     return Path(os.environ.get("TLT_KERNEL_CACHE") or default)
 
 

@@ -42,11 +42,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .model import Transformer
-from .sampling import SamplingParams, token_logprobs
+from ..models.transformer import Transformer
+from ..rollout.sampling import SamplingParams, token_logprobs
 
-if TYPE_CHECKING:  # pydantic stays out of a bare GPU node's imports (gpu_check.py)
-    from .config import GRPOSection
+if TYPE_CHECKING:  # pydantic stays out of a bare GPU node's imports (bench/gpu_check.py)
+    from ..config import GRPOSection
 
 ADV_EPS = 1e-6  # added to the group std; groups whose std is below it get zero advantage
 
@@ -186,7 +186,7 @@ class _MismatchAudit:
                 "rollout/logprob_mismatch_max": self.max}
 
     def histogram(self) -> dict[str, list]:
-        from .audit import mismatch_histogram
+        from ..audit import mismatch_histogram
 
         return mismatch_histogram(torch.cat(self.deltas) if self.deltas else torch.empty(0))
 
@@ -194,7 +194,7 @@ class _MismatchAudit:
 class GRPOLearner:
     """Policy optimizer + GRPO loss, in one process or as one rank of a data-parallel group.
 
-    rank/world > 1 (learner_group.py: the policy wrapped by FSDP2's fully_shard, torch.distributed
+    rank/world > 1 (cluster/learner_group.py: the policy wrapped by FSDP2's fully_shard, torch.distributed
     set up): each rank runs its share of every mini-batch's rows (balanced by tokens), every rank
     runs the same number of forwards (an empty share runs a zero-loss dummy row, as FSDP's
     collectives need), and the metrics are summed over the group, so the update and the metrics

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 import torch
 
 from .linear import Linear
-from .model import DecoderLayer, KVCache, ModelConfig, Transformer, init_weights, rope_tables, step_layout
+from .transformer import DecoderLayer, KVCache, ModelConfig, Transformer, init_weights, rope_tables, step_layout
 
 
 class Drafter(nn.Module):

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .drafter_train import average_state_dicts
+from ..learn.drafter_train import average_state_dicts
 
 
 @dataclass

@@ -39,14 +39,14 @@ import torch
 from torch import Tensor
 
 from .buffer import DrafterBuffer
-from .drafter import Drafter
+from ..models.drafter import Drafter
 from .drafter_train import drafter_loss
-from .model import Transformer
-from .sampling import SamplingParams
-from .speculative import draft_vocab_ids
+from ..models.transformer import Transformer
+from ..rollout.sampling import SamplingParams
+from ..rollout.speculative import draft_vocab_ids
 
 if TYPE_CHECKING:  # pydantic: the bench on a bare GPU node passes a plain namespace instead
-    from .config import DrafterSection
+    from ..config import DrafterSection
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def generate_answers(policy: Transformer, prompts: Sequence[Sequence[int]], samp
                      max_new_tokens: int, eos_ids: Sequence[int], seed: int,
                      on_progress: Progress | None = None) -> list[Answer]:
     """The policy's own answers with the hidden states the engine harvested while decoding them."""
-    from .rollout import generate
+    from ..rollout.engine import generate
 
     out: list[Answer] = []
     for i in range(0, len(prompts), GEN_BATCH):
@@ -103,7 +103,7 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
                    retrain: bool = False, on_progress: Progress | None = None) -> tuple[Drafter, dict[str, Any]]:
     """Warm a drafter up to `policy` on its own answers (module doc); returns it and a summary.
     retrain: ignore a cached drafter (cached answers are still reused)."""
-    from .policies import model_cache_dir
+    from ..models.policies import model_cache_dir
 
     root = Path(cache_dir) if cache_dir is not None else model_cache_dir() / "drafters"
     eos = sorted({task.eos_id, *policy.config.eos_ids})

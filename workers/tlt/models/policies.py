@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def model_cache_dir() -> Path:
@@ -50,7 +50,7 @@ def prepare_policy_folder(cfg) -> Path:
     folder = model_cache_dir() / f"tiny-{tiny_model_key(cfg.model, cfg.run.seed, cfg.task.kind)}"
     if (folder / "model.safetensors").exists() and (folder / "config.json").exists():
         return folder
-    from .sft import train_tiny_longtail
+    from ..learn.sft import train_tiny_longtail
 
     log.info("training the tiny policy (%d SFT steps) into %s", cfg.model.sft_steps, folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _batch(vocab: int, rows: int, prompt_len: int, response_len: int, seed: int):
-    from .grpo import RolloutBatch
+    from ..learn.grpo import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(rows)]
@@ -62,7 +62,7 @@ class _Receiver:
     """A rollout worker's policy copy, for timing the two sync paths."""
 
     def __init__(self, policy_dir: str):
-        from .model import Transformer
+        from ..models.transformer import Transformer
 
         torch.set_num_threads(1)
         self.policy = Transformer.from_pretrained(policy_dir)
@@ -72,7 +72,7 @@ class _Receiver:
         return True
 
     def load_manifest(self, manifest) -> int:
-        from .weight_sync import receive
+        from ..cluster.weight_sync import receive
 
         return receive(manifest, dict(self.policy.named_parameters()))
 
@@ -82,7 +82,7 @@ class _Receiver:
 
 def _learner(cfg, folder, pad_id: int, world: int, batches, cores: int) -> tuple[float, dict, Any]:
     """(response tokens / s over the timed steps, full state after every step, the group)."""
-    from .learner_group import LearnerGroup
+    from ..cluster.learner_group import LearnerGroup
 
     group = LearnerGroup.start(cfg, folder, pad_id=pad_id, world=world, actor_options=[{"num_cpus": 0}] * world,
                                threads=max(1, cores // world))
@@ -97,11 +97,11 @@ def _learner(cfg, folder, pad_id: int, world: int, batches, cores: int) -> tuple
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
-    from .config import preset
-    from .linear import cpu_name
-    from .model import Transformer
-    from .policies import prepare_policy_folder
-    from .trainer import ensure_ray
+    from ..config import preset
+    from ..models.linear import cpu_name
+    from ..models.transformer import Transformer
+    from ..models.policies import prepare_policy_folder
+    from ..trainer import ensure_ray
 
     logging.basicConfig(level=logging.WARNING)
     cfg = preset(args.preset)

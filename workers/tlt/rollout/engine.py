@@ -1,7 +1,7 @@
 """The built-in rollout engine: batched generation with adaptive, lossless speculative decoding.
 
-    from workers.tlt.rollout import SpecPolicy, generate
-    from workers.tlt.sampling import SamplingParams
+    from workers.tlt.rollout.engine import SpecPolicy, generate
+    from workers.tlt.rollout.sampling import SamplingParams
 
     res = generate(policy, prompts, SamplingParams(temperature=1.0, top_p=0.95), max_new_tokens=256,
                    eos_ids=policy.config.eos_ids, drafter=drafter, spec=SpecPolicy.from_config(cfg.spec))
@@ -44,8 +44,8 @@ from torch import Tensor
 
 from . import spec_defaults
 from .bandit import BucketedBandit
-from .linear import tune
-from .model import Transformer
+from ..models.linear import tune
+from ..models.transformer import Transformer
 from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
     root_tree, tree_mask, walk
@@ -368,7 +368,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     """Generate a response for every prompt (token id lists; repeat a prompt for n samples).
 
     params: temperature (0 = greedy), top-p, top-k. Stops a sequence at any of eos_ids or after
-    max_new_tokens. drafter: an EAGLE drafter (drafter.py) or None (then only the n-gram arm can
+    max_new_tokens. drafter: an EAGLE drafter (models/drafter.py) or None (then only the n-gram arm can
     speculate). spec: None or enabled=False for plain decoding. bandit: pass one
     (spec.new_bandit(...)) to keep learning across calls; else a fresh one per call.
     seed: the sampling randomness: sample b's tokens depend only on (seed, b, its prompt, the model),

@@ -1,0 +1,5 @@
+"""`python -m workers.tlt.bench {e2e,rollout,learner}`: the CLI is cli.py."""
+
+from .cli import main
+
+raise SystemExit(main())
