@@ -267,14 +267,31 @@ class FakeVllmEngine:
         self.cfg, self.policy_dir, self.drafter_dir = cfg, policy_dir, drafter_dir
         self.policy = Transformer.from_pretrained(policy_dir)
         self.calls = {"generate": 0, "update_policy": 0, "update_drafter": 0}
+        self.sleep_mode = False
+        self.events: list[str] = []  # generate / update_policy / sleep / wake_up, in order
+        self.asleep = False
 
     @classmethod
-    def from_config(cls, cfg, policy_dir, drafter_dir=None, **kw):
-        return cls(cfg, policy_dir, drafter_dir if cfg.run.tlt else None)
+    def from_config(cls, cfg, policy_dir, drafter_dir=None, sleep_mode=False, **kw):
+        engine = cls(cfg, policy_dir, drafter_dir if cfg.run.tlt else None)
+        engine.sleep_mode = sleep_mode
+        return engine
+
+    def sleep(self):  # vLLM refuses sleep() on an engine built without sleep mode
+        assert self.sleep_mode and not self.asleep
+        self.asleep = True
+        self.events.append("sleep")
+
+    def wake_up(self):
+        assert self.asleep
+        self.asleep = False
+        self.events.append("wake_up")
 
     def generate(self, prompts, params, *, max_new_tokens, eos_ids=(), seed=0, **_):
         from workers.tlt.rollout.engine import generate
 
+        assert not self.asleep, "generate() on a sleeping engine"
+        self.events.append("generate")
         self.calls["generate"] += 1
         res = generate(self.policy, prompts, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed,
                        harvest_hidden=False)
@@ -282,6 +299,8 @@ class FakeVllmEngine:
         return res
 
     def update_policy(self, policy):
+        assert not self.asleep, "weights loaded into a sleeping engine"
+        self.events.append("update_policy")
         self.calls["update_policy"] += 1
         self.policy.load_state_dict(policy.state_dict())
 
@@ -362,6 +381,59 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
     finally:
         trainer.close()
         tracking.close()
+
+
+def test_rollout_engines_sleep_through_the_learner_phase_and_wake_before_the_weights(ray_local, tmp_path):
+    """rollout.sleep_while_learning (on by default where the learner shares the workers' GPUs): each
+    step's engines sleep once their rollout is in and wake before the next weight sync, never
+    generating or loading weights asleep, and the run's samples are those of a run that never slept."""
+    import ray.cloudpickle
+
+    from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
+
+    class SleepyVllmWorker(RolloutWorkerImpl):
+        engine_factory = staticmethod(FakeVllmEngine.from_config)
+
+        def engine_events(self):
+            return self.engine.events
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    runs = {}
+    for sleeps in (True, False):
+        data = vllm_cfg(steps=3).model_dump(mode="json")
+        data["rollout"]["sleep_while_learning"] = sleeps
+        out = tmp_path / str(sleeps)
+        tracking = Tracking([JsonlSink(out / "metrics.jsonl")])
+        trainer = Trainer(load_config(data), out, tracking, worker_actor=worker_actor(SleepyVllmWorker))
+        try:
+            trainer.setup()
+            runs[sleeps] = [trainer.run_step() for _ in range(3)]
+            events = ray.get([w.engine_events.remote() for w in trainer.workers])
+        finally:
+            trainer.close()
+            tracking.close()
+        if sleeps:
+            # the engine is built at step 1's rollout (after that step's sync), then per step:
+            for ev in events:
+                assert ev == ["generate", "sleep"] + ["wake_up", "update_policy", "generate", "sleep"] * 2, ev
+            assert all("timing_s/engine_sleep" in o.scalars for o in runs[True])
+        else:
+            assert all("sleep" not in ev for ev in events)
+            assert all("timing_s/engine_sleep" not in o.scalars for o in runs[False])
+    assert [o.responses for o in runs[True]] == [o.responses for o in runs[False]]
+
+
+def test_engines_sleep_by_default_only_where_the_learner_shares_their_gpus():
+    from workers.tlt.cluster.placement import sleeps_while_learning
+
+    cfg = tiny_cfg()
+    assert not sleeps_while_learning(cfg, gpu=False)
+    assert sleeps_while_learning(cfg, gpu=True) == (cfg.grpo.placement == "colocated")
+    data = cfg.model_dump(mode="json")
+    data["grpo"]["placement"] = "separate"
+    assert not sleeps_while_learning(load_config(data), gpu=True)
+    data["rollout"]["sleep_while_learning"] = True
+    assert sleeps_while_learning(load_config(data), gpu=False)
 
 
 def test_a_static_drafter_run_speculates_but_never_trains_its_drafter(ray_local, tmp_path):

@@ -107,6 +107,12 @@ class RolloutSection(_Section):
     vllm_gpu_memory_utilization: float | None = Field(
         None, gt=0.0, le=1.0, description="vllm: GPU share for weights + KV cache (None: vLLM's default, 0.9).")
     vllm_max_num_seqs: int = Field(256, ge=1, le=65_536, description="vllm: most sequences decoded together.")
+    sleep_while_learning: bool | None = Field(
+        None,
+        description="Release the rollout engine's device memory while the learner runs (vllm: sleep mode "
+                    "level 1, weights to host memory and the KV cache dropped; built-in: the CUDA allocator's "
+                    "cached blocks), woken before the next weight sync. None: when the learner shares the "
+                    "rollout workers' GPUs (grpo.placement colocated).")
     vllm_max_prompt_len: int = Field(2048, ge=1, le=1_000_000,
                                      description="vllm: prompt budget; max_model_len = this + max_new_tokens.")
 

@@ -62,7 +62,8 @@ SCALAR_KEYS = {
     "timing_s/rollout": "rollout phase",
     "timing_s/reward": "reward computation",
     "timing_s/learner": "learner update (old log-probs + gradient step)",
-    "timing_s/sync": "weight sync to workers",
+    "timing_s/sync": "weight sync to workers (and waking their engines, see timing_s/engine_sleep)",
+    "timing_s/engine_sleep": "rollout engines releasing device memory for the learner (rollout.sleep_while_learning)",
     "sync/bytes": "bytes of weights the rollout workers read at this step's sync (policy + drafter)",
     "drafter/stale_workers": "rollout workers that drafted with an older drafter than the published one (TLT runs)",
     "learner/loss": "GRPO loss",
@@ -80,7 +81,7 @@ SCALAR_KEYS = {
 # checkpoints of TLT runs
 WHEN_MEASURED = {"spec/acceptance_length", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
                  "drafter/loss", "drafter/accuracy", "audit/greedy_identical", "audit/greedy_prompts",
-                 "audit/acceptance_length"}
+                 "audit/acceptance_length", "timing_s/engine_sleep"}
 
 SERIES_KEYS = {
     "rollout/lengths": "list[int]: every response length of the step",

@@ -257,7 +257,7 @@ class Trainer:
 
     def _start_actors(self) -> None:
         from .cluster.learner_group import LearnerGroup
-        from .cluster.placement import plan_placement
+        from .cluster.placement import plan_placement, sleeps_while_learning
         from .cluster.rollout_workers import RolloutWorker
 
         cfg = self.cfg
@@ -267,6 +267,7 @@ class Trainer:
         plan = plan_placement(cfg, gpu=gpu)
         self._pg = plan.reserve()  # fails fast (naming what is missing) when the cluster is too small
         self._plan, self._worker_cls = plan, RolloutWorker
+        self._engines_sleep = sleeps_while_learning(cfg, gpu=gpu)
         self.workers = [self._new_worker(i) for i in range(W)]
         self.learner_group = LearnerGroup.start(
             cfg, self.policy_folder, pad_id=self.task.pad_id, world=plan.learner_ranks,
@@ -396,6 +397,8 @@ class Trainer:
         bytes); returns the drafter's object reference (spot training's master) and sync/* scalars."""
         from .cluster.learner_group import get_all
 
+        if self._engines_sleep:  # asleep since the last rollout (a no-op for fresh workers)
+            get_all([w.wake.remote() for w in self.workers], self.cfg.rollout.timeout_s, "waking the rollout engines")
         policy = self._publish_policy()
         drafter = self._publish_drafter() if self.tlt else None
         got = get_all([w.load_weights.remote(policy, drafter) for w in self.workers], self.cfg.rollout.timeout_s,
@@ -437,6 +440,11 @@ class Trainer:
         with self.acct.phase("rollout"):
             t0 = time.time()
             results, spot = self._rollout_with_retry(step, shard_rows)
+        if self._engines_sleep:
+            from .cluster.learner_group import get_all
+
+            with self.acct.phase("engine_sleep"):  # the colocated learner gets the device's memory
+                get_all([w.sleep.remote() for w in self.workers], cfg.rollout.timeout_s, "putting the rollout engines to sleep")
 
         self.last_results = results
         tokens: list[list[int]] = []

@@ -80,6 +80,15 @@ class Placement:
         return pg
 
 
+def sleeps_while_learning(cfg, gpu: bool) -> bool:
+    """Whether rollout engines release their device memory during the learner phase: the one
+    decision the driver (which sleeps and wakes them) and each worker (whose vLLM engine must be built
+    with sleep mode) both read."""
+    if cfg.rollout.sleep_while_learning is not None:
+        return cfg.rollout.sleep_while_learning
+    return gpu and cfg.grpo.placement == "colocated"
+
+
 def plan_placement(cfg, gpu: bool) -> Placement:
     W = cfg.rollout.num_workers
     colocated = cfg.grpo.placement == "colocated"

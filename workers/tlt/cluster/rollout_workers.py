@@ -29,6 +29,8 @@ from typing import Any
 import ray
 import torch
 
+from .placement import sleeps_while_learning
+
 log = logging.getLogger(__name__)
 
 
@@ -69,6 +71,7 @@ class RolloutWorkerImpl:
         self.drafter_version = 0  # the version of the last drafter manifest loaded (0: none)
         self._record_cache: dict = {}
         self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
+        self._asleep = False  # sleep() .. wake(): the engine's device memory is the learner's
         self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}",
                                              initializer=_lowest_cpu_priority)
         self._preempted = threading.Event()  # set by preempt(): a flag the training loop reads for free
@@ -88,6 +91,8 @@ class RolloutWorkerImpl:
                                                        rc.max_new_tokens + rc.vllm_max_prompt_len)}
             if rc.vllm_gpu_memory_utilization is not None:
                 kw["gpu_memory_utilization"] = rc.vllm_gpu_memory_utilization
+            if sleeps_while_learning(self.cfg, gpu=self.device.type == "cuda"):
+                kw["sleep_mode"] = True
             self.engine = self.engine_factory(self.cfg, policy_dir, drafter_dir, **kw)
             log.info("worker %d: vLLM engine over %s (hidden states: %s)", self.id, root,
                      getattr(self.engine, "returns_hidden", False))
@@ -105,6 +110,28 @@ class RolloutWorkerImpl:
                 shutil.rmtree(self._engine_dir, ignore_errors=True)
                 self._engine_dir = None
         return True
+
+    # --- the learner phase on a shared device -----------------------------------------------------
+
+    def sleep(self) -> float:
+        """Give the device's memory to the colocated learner until wake(); seconds taken."""
+        t = time.perf_counter()
+        if not self._asleep:
+            if self.engine is not None:
+                self.engine.sleep()
+            elif self.device.type == "cuda":  # the built-in engine's KV caches are freed after each rollout
+                torch.cuda.empty_cache()
+            self._asleep = True
+        return time.perf_counter() - t
+
+    def wake(self) -> float:
+        """Undo sleep() before the next weight sync; seconds taken (0 when awake)."""
+        t = time.perf_counter()
+        if self._asleep:
+            if self.engine is not None:
+                self.engine.wake_up()
+            self._asleep = False
+        return time.perf_counter() - t
 
     @staticmethod
     def engine_factory(cfg, policy_dir, drafter_dir, **kw):

@@ -238,6 +238,7 @@ class VllmRolloutEngine:
                  kv_cache_memory_bytes: int | None = None,  # explicit KV budget (CPU: set this, e.g. 1 GiB)
                  enforce_eager: bool = False,  # True: no CUDA graphs / torch.compile (CPU tests, debugging)
                  multiprocessing: bool | None = None,  # vLLM engine core in its own process (None: vLLM's default)
+                 sleep_mode: bool = False,  # sleep()/wake_up() release the GPU for a colocated learner (CUDA only)
                  **llm_kwargs: Any):
         if multiprocessing is not None:  # read by vLLM when the engine is built; process-wide
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
@@ -259,6 +260,8 @@ class VllmRolloutEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         if self.drafter_dir is not None:
             kwargs["speculative_config"] = speculative_config(self.drafter_dir, self.depth, sd_threshold, max_num_seqs)
         kwargs.update(llm_kwargs)
@@ -413,6 +416,21 @@ class VllmRolloutEngine:
             weights = state
         named = _named_tensors(weights, skip=lambda n: "embed_tokens" in n or n.startswith("lm_head"))
         self.llm.collective_rpc("tlt_load_draft_weights", args=(self._payload(named),))
+        self.llm.reset_prefix_cache()
+
+    # --- sleep mode (a colocated learner gets the GPU between rollouts) ----------------------------
+
+    def sleep(self) -> None:
+        """Level 1: the weights go to host memory and the KV cache is dropped (its content is
+        worthless after the update anyway). Level 2 would drop the weights too, but then every
+        tensor the sync does not rewrite (the drafter's shared embedding, buffers) would need care."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Weights back on the GPU first, then the KV cache: the weight update that follows needs no
+        KV memory, so the peak stays at the sleeping footprint plus the weights."""
+        self.llm.wake_up(tags=["weights"])
+        self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
