@@ -57,19 +57,21 @@ class LearnerRankImpl:
         if cfg.grpo.kl_coef > 0:
             ref = self._sharded(Transformer.from_pretrained(policy_folder, dtype=torch.float32, device=self.device))
         self.learner = GRPOLearner(self.policy, cfg.grpo, pad_id=pad_id, sampling=sampling_params(cfg.rollout),
-                                   ref=ref, rank=rank, world=world, accumulate_unsharded=self._cpu)
+                                   ref=ref, rank=rank, world=world, accumulate_unsharded=self._keep_gathered)
         self._publisher = None
         self._saving = None
         return True
 
     @property
-    def _cpu(self) -> bool:
-        """On CPU, memory is plentiful and gloo's TCP traffic competes with the step for the same cores:
-        a layer's gathered weights stay until its backward (no second all-gather) and gradients are
-        reduced once per optimizer step, not per micro-batch (bench learner, 2 ranks on 2 cores, the
-        headline preset's 32-row step: 0.90x -> 0.97x of one rank's tokens/s). On GPU both would cost
-        a full unsharded copy per rank."""
-        return self.device.type == "cpu"
+    def _keep_gathered(self) -> bool:
+        """Ranks sharing one CPU machine: memory is plentiful and gloo's TCP traffic competes with the
+        step for the same cores, so a layer's gathered weights stay until its backward (no second
+        all-gather) and gradients are reduced once per optimizer step, not per micro-batch (bench
+        learner, 2 ranks on 2 cores, the headline preset's 32-row step: 0.90x -> 0.97x of one rank's
+        tokens/s). Not on GPU, where both cost a full unsharded copy per rank, nor at one rank, where
+        there is no traffic to save and the copies would only add memory (the headline preset's
+        1024-token rows already take ~9 GB there)."""
+        return self.device.type == "cpu" and self.world > 1
 
     def _sharded(self, model):
         """fully_shard each decoder layer, then the root (embedding, final norm and the tied LM head)."""
@@ -80,7 +82,7 @@ class LearnerRankImpl:
         else:
             mp = MixedPrecisionPolicy()  # fp32 throughout
         for layer in model.model.layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=not self._cpu)
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=not self._keep_gathered)
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         return model
 
