@@ -5,6 +5,7 @@
                                     [--set drafter.warmup_steps=800 ...]   # preset overrides
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
     python -m workers.tlt.bench learner ...        # learner group: 1 vs 2 ranks, sync paths
+    python -m workers.tlt.bench coupling ...       # drafter/target agreement by coupling rule
 
 Each subcommand's LAST stdout line is one JSON object; e2e.py, rollout.py and learner.py say what
 they measure. Benchmarks measure; tests check correctness, never timings.
@@ -57,6 +58,14 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_learner)
 
 
+def add_coupling_parser(sub: argparse._SubParsersAction) -> None:
+    from .coupling import add_arguments, cmd_coupling
+
+    p = sub.add_parser("coupling", help="drafter/target agreement by coupling rule (the headroom under sampling)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_coupling)
+
+
 # --- entry ------------------------------------------------------------------------------------
 
 
@@ -76,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_e2e)
     add_rollout_parser(sub)
     add_learner_parser(sub)
+    add_coupling_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,128 @@
+"""How often the drafter's draw equals the target's at the first draft position, by coupling rule:
+the headroom a better coupling would buy SD under sampling. The LAST stdout line is one JSON object.
+
+    python -m workers.tlt.bench coupling [--preset smollm2-mathmix-cpu] [--prompts 32] [--temperatures 0.7 1.0]
+
+The preset's policy answers held-out prompts of its task (as the drafter warm-up does, same cap);
+at every response position the target's distribution p and the warmed-up drafter's q (the product's
+recipe, cached; its reduced draft vocabulary) are compared, at each temperature, under
+
+    keyed_inverse_cdf  the product's rule: F^{-1}(u) of each in token-id order at one shared u
+                       (sampling.py; SD token for token identical to plain sampling)
+    keyed_argmax_first the same with each distribution's most likely token first (tried: lower)
+    gumbel             argmax(log p + g) = argmax(log q + g) at shared Gumbel noise g (token-identical
+                       too, but ~1.3 ms of noise per row and position over a 49k vocabulary)
+    maximal            sum min(p, q): standard speculative sampling's rejection rule (the most any
+                       coupling gives; lossless in distribution only, not token for token)
+    greedy_draft       p(argmax q): a drafter that proposes its argmax, accepted by the keyed rule
+
+and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Carlo for gumbel.
+Benchmarks measure; tests check correctness, never timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="smollm2-mathmix-cpu", help="policy, task, drafter recipe and draft vocabulary")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts answered by the policy")
+    p.add_argument("--temperatures", type=float, nargs="+", default=None,
+                   help="sampling temperatures compared (default: the preset's, and 1.0)")
+    p.add_argument("--gumbel-draws", type=int, default=16, help="Monte Carlo draws of the Gumbel noise per position")
+
+
+def _intervals(p: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+    """Each token's [lo, hi) CDF interval when p's mass is laid out in `order` (a permutation per row)."""
+    po = p.gather(1, order)
+    hi = po.cumsum(1)
+    return torch.empty_like(p).scatter_(1, order, hi - po), torch.empty_like(p).scatter_(1, order, hi)
+
+
+def inverse_cdf_agreement(p: Tensor, q: Tensor, order_p: Tensor, order_q: Tensor) -> Tensor:
+    """P(F_p^{-1}(u) = F_q^{-1}(u)) for u ~ U[0, 1), per row: the overlap of each token's intervals."""
+    lp, hp = _intervals(p, order_p)
+    lq, hq = _intervals(q, order_q)
+    return (torch.minimum(hp, hq) - torch.maximum(lp, lq)).clamp(min=0).sum(1)
+
+
+def _argmax_first(x: Tensor) -> Tensor:
+    V = x.shape[1]
+    top = x.argmax(1, keepdim=True)
+    ids = torch.arange(V).expand_as(x)
+    return torch.cat([top, ids[ids != top].view(x.shape[0], V - 1)], 1)
+
+
+def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) -> dict[str, Tensor]:
+    """Per-row figures (module doc) for target distributions p and drafter distributions q [N, V] (float64)."""
+    ids = torch.arange(p.shape[1]).expand_as(p)
+    lp, lq = p.clamp_min(1e-300).log(), q.clamp_min(1e-300).log()
+    gumbel = torch.zeros(p.shape[0], dtype=torch.float64)
+    for _ in range(gumbel_draws):
+        g = -torch.log(-torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64).clamp(1e-300, 1 - 1e-16)))
+        gumbel += ((lp + g).argmax(1) == (lq + g).argmax(1)).double() / gumbel_draws
+    return {"keyed_inverse_cdf": inverse_cdf_agreement(p, q, ids, ids),
+            "keyed_argmax_first": inverse_cdf_agreement(p, q, _argmax_first(p), _argmax_first(q)),
+            "gumbel": gumbel, "maximal": torch.minimum(p, q).sum(1),
+            "greedy_draft": p.gather(1, q.argmax(1, keepdim=True))[:, 0], "p_max": p.max(1).values}
+
+
+def cmd_coupling(args: argparse.Namespace) -> int:
+    from ..config import preset
+    from ..learn.drafter_train import unrolled_predictions
+    from ..learn.drafter_warmup import generate_answers, warmup_drafter, weights_digest
+    from ..models.linear import cpu_name
+    from ..models.policies import prepare_policy_folder
+    from ..models.transformer import Transformer
+    from ..rollout.sampling import SamplingParams, process, sampling_params
+    from ..rollout.speculative import draft_vocab_ids
+    from ..trainer import make_run_task
+
+    cfg = preset(args.preset)
+    folder = prepare_policy_folder(cfg)
+    policy = Transformer.from_pretrained(folder).eval()
+    task = make_run_task(cfg, folder)
+    sampling = sampling_params(cfg.rollout)
+    print("[bench coupling] the drafter (the product's warm-up; cached after its first run)", file=sys.stderr, flush=True)
+    drafter, _ = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
+                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
+    eos = sorted({task.eos_id, *policy.config.eos_ids})
+    cap = min(cfg.drafter.warmup_max_new_tokens, cfg.rollout.max_new_tokens)
+    prompts = [p.ids for p in task.sample_prompts(args.prompts, random.Random(cfg.run.seed + 99_991))]  # not the warm-up's
+    print(f"[bench coupling] the policy answers {len(prompts)} held-out prompts", file=sys.stderr, flush=True)
+    answers = generate_answers(policy, prompts, sampling, cap, eos, cfg.run.seed + 1, None)
+    ids = draft_vocab_ids(drafter.token_counts, cfg.spec.draft_vocab, eos) if cfg.spec.draft_vocab else None
+    head = policy.lm_head.weight.detach()
+    temps = args.temperatures or sorted({cfg.rollout.temperature, 1.0})
+    sums: dict[float, dict[str, float]] = {t: {} for t in temps}
+    n = 0
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for toks, hid, plen in answers:
+            h = hid.float()[None]
+            pred = unrolled_predictions(drafter, h, toks[None], 1)[0][0]  # [L-1, H] ~ h_{i+1}
+            rows = slice(max(plen - 1, 0), pred.shape[0])  # positions predicting response tokens
+            logits_p = h[0, 1:][rows] @ head.T
+            logits_q = pred[rows] @ (head if ids is None else head[ids]).T
+            n += logits_p.shape[0]
+            for t in temps:
+                params = SamplingParams(temperature=t)
+                p = process(logits_p, params).double()
+                q_sub = process(logits_q, params).double()
+                q = q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub)
+                for k, v in agreements(p, q, args.gumbel_draws, gen).items():
+                    sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
+    out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "positions": n, "cpu": cpu_name(),
+                           "draft_vocab": cfg.spec.draft_vocab}
+    for t in temps:
+        out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
+    print(json.dumps(out))
+    return 0
