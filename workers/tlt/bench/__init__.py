@@ -1,2 +1,2 @@
-"""Benchmarks (`python -m workers.tlt.bench {e2e,rollout,learner}`) and the bare-GPU check;
+"""Benchmarks (`python -m workers.tlt.bench {e2e,rollout,learner,coupling}`) and the bare-GPU check;
 each prints one JSON line."""
