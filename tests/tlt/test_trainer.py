@@ -268,8 +268,8 @@ class FakeVllmEngine:
         self.policy = Transformer.from_pretrained(policy_dir)
         self.calls = {"generate": 0, "update_policy": 0, "update_drafter": 0}
         self.sleep_mode = False
-        self.events: list[str] = []  # generate / update_policy / sleep / wake_up, in order
-        self.asleep = False
+        self.events: list[str] = []  # generate / update_policy / sleep / wake_up:<tags>, in order
+        self.asleep: set[str] = set()  # what sleep() released and wake_up() has not brought back
 
     @classmethod
     def from_config(cls, cfg, policy_dir, drafter_dir=None, sleep_mode=False, **kw):
@@ -279,18 +279,19 @@ class FakeVllmEngine:
 
     def sleep(self):  # vLLM refuses sleep() on an engine built without sleep mode
         assert self.sleep_mode and not self.asleep
-        self.asleep = True
+        self.asleep = {"weights", "kv_cache"}
         self.events.append("sleep")
 
-    def wake_up(self):
-        assert self.asleep
-        self.asleep = False
-        self.events.append("wake_up")
+    def wake_up(self, tags=None):
+        tags = tags or ["weights", "kv_cache"]
+        assert set(tags) <= self.asleep, (tags, self.asleep)
+        self.asleep -= set(tags)
+        self.events.append(f"wake_up:{','.join(tags)}")
 
     def generate(self, prompts, params, *, max_new_tokens, eos_ids=(), seed=0, **_):
         from workers.tlt.rollout.engine import generate
 
-        assert not self.asleep, "generate() on a sleeping engine"
+        assert not self.asleep, f"generate() with {self.asleep} asleep"
         self.events.append("generate")
         self.calls["generate"] += 1
         res = generate(self.policy, prompts, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed,
@@ -299,7 +300,7 @@ class FakeVllmEngine:
         return res
 
     def update_policy(self, policy):
-        assert not self.asleep, "weights loaded into a sleeping engine"
+        assert "weights" not in self.asleep, "weights loaded into sleeping weights"
         self.events.append("update_policy")
         self.calls["update_policy"] += 1
         self.policy.load_state_dict(policy.state_dict())
@@ -415,7 +416,8 @@ def test_rollout_engines_sleep_through_the_learner_phase_and_wake_before_the_wei
         if sleeps:
             # the engine is built at step 1's rollout (after that step's sync), then per step:
             for ev in events:
-                assert ev == ["generate", "sleep"] + ["wake_up", "update_policy", "generate", "sleep"] * 2, ev
+                assert ev == ["generate", "sleep"] + ["wake_up:weights", "update_policy", "wake_up:kv_cache", "generate",
+                                                      "sleep"] * 2, ev
             assert all("timing_s/engine_sleep" in o.scalars for o in runs[True])
         else:
             assert all("sleep" not in ev for ev in events)

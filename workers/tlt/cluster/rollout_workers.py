@@ -72,6 +72,7 @@ class RolloutWorkerImpl:
         self._record_cache: dict = {}
         self.engine = None  # rollout.engine vllm: built on first use (vLLM is imported only then)
         self._asleep = False  # sleep() .. wake(): the engine's device memory is the learner's
+        self._kv_asleep = False  # wake() .. load_weights(): weights back, KV cache not yet
         self._spot_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tlt-spot-w{worker_id}",
                                              initializer=_lowest_cpu_priority)
         self._preempted = threading.Event()  # set by preempt(): a flag the training loop reads for free
@@ -125,11 +126,14 @@ class RolloutWorkerImpl:
         return time.perf_counter() - t
 
     def wake(self) -> float:
-        """Undo sleep() before the next weight sync; seconds taken (0 when awake)."""
+        """Undo sleep() before the next weight sync, the engine's weights only: its KV cache comes
+        back once load_weights has written the new ones, so the update never needs both at once.
+        Seconds taken (0 when awake)."""
         t = time.perf_counter()
         if self._asleep:
             if self.engine is not None:
-                self.engine.wake_up()
+                self.engine.wake_up(["weights"])
+                self._kv_asleep = True
             self._asleep = False
         return time.perf_counter() - t
 
@@ -168,6 +172,9 @@ class RolloutWorkerImpl:
                 self.engine.update_policy(self.policy)
             if drafter_changed and self.cfg.run.tlt:
                 self.engine.update_drafter(self.drafter)
+            if self._kv_asleep:  # the new weights are in: now the KV cache may take its memory back
+                self.engine.wake_up(["kv_cache"])
+                self._kv_asleep = False
         self._record_cache.clear()
         return nbytes
 

@@ -205,7 +205,7 @@ class GRPOLearner:
                  sampling: SamplingParams = SamplingParams(), ref: Transformer | None = None,
                  rank: int = 0, world: int = 1, accumulate_unsharded: bool = False):
         self.policy = policy
-        self.accumulate_unsharded = accumulate_unsharded  # FSDP2 only: see LearnerRankImpl._sharded
+        self.accumulate_unsharded = accumulate_unsharded  # FSDP2 only: see LearnerRankImpl._keep_gathered
         self.cfg = cfg
         self.pad_id = pad_id
         self.sampling = sampling

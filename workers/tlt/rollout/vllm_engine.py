@@ -426,12 +426,12 @@ class VllmRolloutEngine:
         tensor the sync does not rewrite (the drafter's shared embedding, buffers) would need care."""
         self.llm.sleep(level=1)
 
-    def wake_up(self) -> None:
-        """Weights back on the GPU first, then the KV cache: the weight update that follows needs no
-        KV memory, so the peak stays at the sleeping footprint plus the weights."""
-        self.llm.wake_up(tags=["weights"])
-        self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """tags ["weights"] then, after the weight update, ["kv_cache"] (the rollout worker's order:
+        the update never holds both); None: everything."""
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut the engine down (its worker process, when multiprocessing) and free its memory."""
