@@ -44,6 +44,18 @@ def login(page, base: str, username: str = "alice") -> None:
     page.wait_for_url(base + "/runs/")
 
 
+def launch(page, base: str, name: str, config_yaml: str):
+    """Launch a run from the browser's form (logged in); its Run once the page shows it."""
+    from tltweb.runs.models import Run
+
+    page.goto(base + "/runs/new")
+    page.fill("#id_name", name)
+    page.fill("#id_config_yaml", config_yaml)
+    page.click("#launch-form button[type=submit]")
+    page.wait_for_url("**/runs/*/")
+    return Run.objects.get(name=name)
+
+
 def trace_points(page, chart_id: str) -> int:
     """Points on a chart's first trace; 0 while the page is reloading (the run page reloads itself
     once the run ends, and a script evaluated mid-reload loses its document)."""

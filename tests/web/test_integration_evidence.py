@@ -56,7 +56,7 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     from django.contrib.auth.models import User
 
     from tests.conftest import member_add
-    from tests.web.test_browser import login
+    from tests.web.test_browser import launch, login
     from tltweb.accounts.services import team_create
     from tltweb.runs.models import Artifact, Run, RunAlert
 
@@ -71,12 +71,7 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     base = live_server.url
     page.set_default_timeout(120_000)  # a real trainer shares the 2 cores; nothing here checks a timing
     login(page, base)
-    page.goto(base + "/runs/new")
-    page.fill("#id_name", "frozen drafter")
-    page.fill("#id_config_yaml", frozen_drafter_yaml())
-    page.click("#launch-form button[type=submit]")
-    page.wait_for_url("**/runs/*/")
-    tlt = Run.objects.get(name="frozen drafter")
+    tlt = launch(page, base, "frozen drafter", frozen_drafter_yaml())
     assert tlt.config["drafter"]["spot_training"] is False and tlt.is_tlt
     tlt = wait_run_end(tlt.id, celery_worker_proc)
 

@@ -107,7 +107,7 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
 
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
-    from tests.web.test_browser import login, trace_points, wait_points
+    from tests.web.test_browser import launch, login, trace_points, wait_points
     from tltweb.runs import dispatch
     from tltweb.runs.models import Run
 
@@ -116,12 +116,7 @@ def test_in_the_browser_a_real_run_fills_the_charts_and_a_clone_can_be_cancelled
     # loads can take far longer than Playwright's 20 s default; nothing below is a timing check.
     page.set_default_timeout(120_000)
     login(page, base)
-    page.goto(base + "/runs/new")
-    page.fill("#id_name", "real run")
-    page.fill("#id_config_yaml", tiny_short_yaml())
-    page.click("#launch-form button[type=submit]")
-    page.wait_for_url("**/runs/*/")
-    run = Run.objects.get(name="real run")
+    run = launch(page, base, "real run", tiny_short_yaml())
 
     diagnose = lambda: _diagnose(run.id, celery_worker_proc)  # noqa: E731
     wait_for(lambda: trace_points(page, "chart-reward") >= 1, 300, "the first step on the chart", diagnose)

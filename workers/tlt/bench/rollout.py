@@ -44,9 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("workers.tlt.bench.rollout")
+from ..models.policies import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+log = logging.getLogger("workers.tlt.bench.rollout")
 
 DEFAULTS = {  # per model: what a plain `bench rollout --model X` does
     "smollm2": dict(max_new_tokens=256, train_prompts=1920, train_steps=1800, batch_tokens=1536, lr=1e-3,

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .policies import REPO_ROOT
+
 log = logging.getLogger(__name__)
 
 MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more rows are compute-bound
@@ -135,7 +137,7 @@ def cpu_flags() -> list[str]:
 
 def kernel_cache_path() -> Path:
     """Where tuned choices are kept (env TLT_KERNEL_CACHE; default var/models/kernels.json)."""
-    default = Path(__file__).resolve().parents[3] / "var" / "models" / "kernels.json"
+    default = REPO_ROOT / "var" / "models" / "kernels.json"
     return Path(os.environ.get("TLT_KERNEL_CACHE") or default)
 
 
