@@ -420,6 +420,7 @@ def celery_worker_proc(django_db_setup, django_db_blocker, live_server, ingest_g
         "TLT_DATA_DIR": str(work / "data"),
         "TLT_MODELS_DIR": str(work / "models"),
         "TLT_SYNC_INTERVAL_S": "2",
+        "TLT_WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on loopback
         "TLT_RESUBMIT_AFTER_S": "20",
         # delivery from the trainers' spools: short back-off so a test sees the platform come back soon
         "TLT_INGEST_MAX_WAIT_S": "2",

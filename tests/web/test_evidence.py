@@ -180,7 +180,8 @@ class _Hook(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def hook():
+def hook(settings):
+    settings.TLT_WEBHOOK_ALLOW_PRIVATE = True  # the receiver listens on loopback
     _Hook.answers, _Hook.bodies = [], []
     server = HTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -319,3 +320,37 @@ def test_the_prompts_that_run_longest_come_first(client, alice, run):
     assert top[0]["longest_count"] == 3 and top[0]["max_length"] == [41, 42, 43]
     client.force_login(alice)
     assert "runaway one" in client.get(reverse("run-detail", args=[run.id])).content.decode()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000/h", "http://localhost/h", "http://[::1]/h", "http://10.0.0.5/h",
+                                 "http://169.254.169.254/latest/meta-data", "http://[::ffff:192.168.1.1]/h",
+                                 "http://0.0.0.0/h"])
+def test_a_webhook_into_the_servers_own_network_is_refused(client, team, alice, url):
+    client.force_login(alice)  # the team's owner
+    page = client.post(reverse("team-webhook", args=[team.pk]), {"alert_webhook_url": url}, follow=True)
+    team.refresh_from_db()
+    assert team.alert_webhook_url == ""
+    assert "webhooks must be public addresses" in page.content.decode()
+
+
+def test_delivery_checks_where_the_name_resolves_and_sends_nothing_inside(hook, team, run, settings, monkeypatch):
+    import socket
+
+    from tltweb.runs import health
+    from workers import tasks
+
+    monkeypatch.setattr(tasks.alert_webhook_post, "delay", lambda alert_id: None)
+    alert = _alert(run, team, f"http://127.0.0.1:{hook.server_port}/hook")  # saved while private ones were allowed
+    settings.TLT_WEBHOOK_ALLOW_PRIVATE = False
+    assert tasks.alert_webhook_post.apply(args=[alert.pk]).get() == "failed"
+    alert.refresh_from_db()
+    assert "private or reserved address" in alert.webhook_error and _Hook.bodies == []
+
+    # a public-looking name is judged by what it resolves to (no DNS here: the resolver answers for it)
+    real = socket.getaddrinfo
+    answers = {"hooks.example.com": "10.1.2.3", "public.example.com": "93.184.215.14"}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], 0))] if host in answers else real(host, *a, **k))
+    assert health.webhook_address_refusal("https://hooks.example.com/x", resolve=False) is None  # saving: no lookup
+    assert "10.1.2.3" in health.webhook_address_refusal("https://hooks.example.com/x", resolve=True)
+    assert health.webhook_address_refusal("https://public.example.com/x", resolve=True) is None

@@ -14,9 +14,12 @@ What raises an alert (scalars of workers/tlt/metrics.py and audit.py):
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import statistics
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 from django.conf import settings
@@ -112,6 +115,9 @@ def alert_webhook_deliver(*, alert_id: int) -> str:
     RunAlert.objects.filter(pk=alert.pk).update(webhook_attempts=F("webhook_attempts") + 1)
     if not url:
         return _webhook_done(alert, "failed", "the team no longer has a webhook URL")
+    refused = webhook_address_refusal(url, resolve=True)
+    if refused:
+        return _webhook_done(alert, "failed", f"not sent: {refused}")
     try:
         resp = requests.post(url, json=alert_payload(alert), timeout=settings.TLT_WEBHOOK_TIMEOUT_S,
                              headers={"User-Agent": "tlt-platform-alerts/1"}, allow_redirects=False)
@@ -147,6 +153,42 @@ def team_webhook_set(*, team, url: str) -> None:
         URLValidator(schemes=["http", "https"])(url)
         if len(url) > 500:
             raise ValidationError({"alert_webhook_url": "at most 500 characters"})
+        refused = webhook_address_refusal(url, resolve=False)
+        if refused:
+            raise ValidationError({"alert_webhook_url": refused})
     team.alert_webhook_url = url
     team.save(update_fields=["alert_webhook_url"])
 
+
+
+def webhook_address_refusal(url: str, *, resolve: bool) -> str | None:
+    """Why the server must not POST to `url`, or None. Alerts go to public addresses only (unless
+    TLT_WEBHOOK_ALLOW_PRIVATE): a team owner must not make the server reach into its own network
+    (the cloud's metadata service, the database, the Ray dashboard).
+
+    resolve=False (saving the URL) judges IP literals and localhost names only, so a URL whose name
+    resolves only where the server runs can still be saved; delivery (resolve=True) checks every
+    address the name resolves to, just before the POST (a name that does not resolve is left to the
+    POST, which fails and is retried). A DNS answer that changes between this check and the POST's
+    own lookup is not caught.
+    """
+    if settings.TLT_WEBHOOK_ALLOW_PRIVATE:
+        return None
+    host = (urlsplit(url).hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return f"{host} is this server; webhooks must be public addresses"
+    try:
+        addresses = [ipaddress.ip_address(host)]
+    except ValueError:
+        if not resolve:
+            return None
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            return None
+        addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    for address in addresses:
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:10.0.0.1 is 10.0.0.1
+        if not (mapped or address).is_global:
+            return f"{host} is a private or reserved address ({address}); webhooks must be public addresses"
+    return None
