@@ -123,6 +123,29 @@ def test_a_partial_sync_is_refused():
         pub.close()
 
 
+def test_a_dead_publishers_shared_memory_is_removed_by_the_next_one():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    live = BucketPublisher("t")  # this process's: running, so kept
+    try:
+        # an owner that dies without close(), as one killed for memory does
+        code = ("import os, torch; from workers.tlt.cluster.weight_sync import BucketPublisher; "
+                "pub = BucketPublisher('t'); pub.publish(1, [('w', torch.ones(64))]); print(pub.root, flush=True); os._exit(9)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        dead = Path(out.stdout.strip())
+        assert out.returncode == 9 and (dead / "bucket_0000").is_file()
+        nxt = BucketPublisher("t")
+        try:
+            assert not dead.exists() and live.root.is_dir() and nxt.root.is_dir()
+        finally:
+            nxt.close()
+    finally:
+        live.close()
+    assert not live.root.exists()
+
+
 def test_a_sharded_checkpoint_resumes_the_same_update_at_another_world_size(policy_dir, ray_local, tmp_path):
     cfg = tiny_cfg()
     g = group(cfg, policy_dir, 2)

@@ -14,6 +14,10 @@ whenever it changes (`tag="drafter"`).
 
 A manifest names every tensor it carries; `receive` refuses one that does not cover the model
 exactly (a partial sync never passes unnoticed).
+
+A publisher's folder, /dev/shm/tlt-sync-<tag>-<pid>-*, goes with `close()`; one whose owner died
+without it (killed for memory, say) is removed by the next publisher on the node, so a crashed run's
+weights do not hold the node's shared memory.
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ class BucketPublisher:
         self.tag = tag
         self.bucket_bytes = bucket_bytes
         self.shared_memory = shared_memory
-        self.root = Path(tempfile.mkdtemp(prefix=f"tlt-sync-{tag}-", dir=SHM_ROOT)) if shared_memory else None
+        self.root = None
+        if shared_memory:
+            remove_orphaned_folders()
+            self.root = Path(tempfile.mkdtemp(prefix=f"tlt-sync-{tag}-{os.getpid()}-", dir=SHM_ROOT))
         self._flats: dict[int, Tensor] = {}  # bucket index -> the mapped flat tensor, reused across versions
 
     def publish(self, version: int, named: Iterable[tuple[str, Tensor]]) -> Manifest:
@@ -114,6 +121,28 @@ class BucketPublisher:
         self._flats.clear()
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def remove_orphaned_folders(root: Path = SHM_ROOT) -> list[Path]:
+    """Remove the sync folders of publishers that are no longer running; returns those removed."""
+    removed = []
+    for folder in root.glob("tlt-sync-*-*-*"):
+        pid = folder.name.rsplit("-", 2)[-2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def receive(manifest: Manifest, targets: dict[str, Tensor], strict: bool = True) -> int:
