@@ -6,12 +6,10 @@ subprocess against the test database and a real Ray head.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +33,11 @@ def team(alice):
     from tltweb.accounts.services import team_create
 
     return team_create(name="Alice's lab", owner=alice)
+
+
+@pytest.fixture
+def alice_team(alice, team):
+    return alice, team
 
 
 def member_add(team, user, role):

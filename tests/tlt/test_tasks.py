@@ -17,7 +17,6 @@ from workers.tlt.tasks import (
     Task,
     answers_match,
     build_longtail_tokenizer,
-    chatml,
     extract_answer,
     load_jsonl,
     make_task,

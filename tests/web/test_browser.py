@@ -19,15 +19,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-def alice_team(db):
-    from django.contrib.auth.models import User
-    from tltweb.accounts.services import team_create
-
-    alice = User.objects.create_user("alice", password=PASSWORD)
-    return alice, team_create(name="Alice's lab", owner=alice)
-
-
-@pytest.fixture
 def no_dispatch(monkeypatch):
     """No Celery worker here: launches and cancels stay in the database."""
     from workers import tasks

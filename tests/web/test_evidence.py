@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 import zipfile
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from django.core.exceptions import PermissionDenied
@@ -165,30 +163,6 @@ def test_a_greedy_mismatch_and_a_collapse_of_acceptance_raise_alerts(alice, run)
     assert "50% of 4 held-out prompts" in RunAlert.objects.get(kind="greedy_mismatch").message
 
 
-class _Hook(BaseHTTPRequestHandler):
-    answers: list[int] = []
-    bodies: list[dict] = []
-
-    def do_POST(self):  # noqa: N802
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).bodies.append(json.loads(body))
-        self.send_response(type(self).answers.pop(0) if type(self).answers else 200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def hook(settings):
-    settings.TLT_WEBHOOK_ALLOW_PRIVATE = True  # the receiver listens on loopback
-    _Hook.answers, _Hook.bodies = [], []
-    server = HTTPServer(("127.0.0.1", 0), _Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
-
-
 def _alert(run, team, url):
     from tltweb.runs import health
 
@@ -201,21 +175,21 @@ def test_the_team_webhook_gets_the_alert_after_retrying_a_5xx(hook, team, run, m
     from workers import tasks
 
     monkeypatch.setattr(tasks.alert_webhook_post, "delay", lambda alert_id: None)
-    _Hook.answers = [503, 502]
-    alert = _alert(run, team, f"http://127.0.0.1:{hook.server_port}/hook")
+    hook.answers[:] = [503, 502]
+    alert = _alert(run, team, hook.url("/hook"))
     assert alert.webhook_state == "pending"
     assert tasks.alert_webhook_post.apply(args=[alert.pk]).get() == "sent"  # eager: retries run at once
     alert.refresh_from_db()
     assert (alert.webhook_state, alert.webhook_attempts) == ("sent", 3)
-    assert _Hook.bodies[-1]["alert"] == "drafter_stale" and _Hook.bodies[-1]["run"]["id"] == str(run.id)
+    assert hook.bodies[-1]["alert"] == "drafter_stale" and hook.bodies[-1]["run"]["id"] == str(run.id)
 
 
 def test_a_4xx_from_the_webhook_is_final_and_no_webhook_means_none_sent(hook, team, run, monkeypatch):
     from workers import tasks
 
     monkeypatch.setattr(tasks.alert_webhook_post, "delay", lambda alert_id: None)
-    _Hook.answers = [404]
-    alert = _alert(run, team, f"http://127.0.0.1:{hook.server_port}/gone")
+    hook.answers[:] = [404]
+    alert = _alert(run, team, hook.url("/gone"))
     assert tasks.alert_webhook_post.apply(args=[alert.pk]).get() == "failed"
     alert.refresh_from_db()
     assert alert.webhook_state == "failed" and alert.webhook_attempts == 1 and "404" in alert.webhook_error
@@ -340,11 +314,11 @@ def test_delivery_checks_where_the_name_resolves_and_sends_nothing_inside(hook, 
     from workers import tasks
 
     monkeypatch.setattr(tasks.alert_webhook_post, "delay", lambda alert_id: None)
-    alert = _alert(run, team, f"http://127.0.0.1:{hook.server_port}/hook")  # saved while private ones were allowed
+    alert = _alert(run, team, hook.url("/hook"))  # saved while private ones were allowed
     settings.TLT_WEBHOOK_ALLOW_PRIVATE = False
     assert tasks.alert_webhook_post.apply(args=[alert.pk]).get() == "failed"
     alert.refresh_from_db()
-    assert "private or reserved address" in alert.webhook_error and _Hook.bodies == []
+    assert "private or reserved address" in alert.webhook_error and hook.bodies == []
 
     # a public-looking name is judged by what it resolves to (no DNS here: the resolver answers for it)
     real = socket.getaddrinfo

@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from tests.conftest import pids_alive, pids_matching
-from tests.web.test_integration_run import TINY_SHORT, _diagnose, alice_team, wait_for  # noqa: F401 (fixture)
+from tests.web.test_integration_run import TINY_SHORT, _diagnose, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -12,7 +12,6 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.conftest import PASSWORD
-from tests.web.test_evidence import _Hook, hook  # noqa: F401  (hook: a real local webhook receiver)
 from tests.web.test_integration_run import TINY_SHORT, _diagnose, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -65,7 +64,7 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     team = team_create(name="Alice's lab", owner=alice)
     bob = User.objects.create_user("bob", password=PASSWORD)
     member_add(team, bob, "viewer")
-    team.alert_webhook_url = f"http://127.0.0.1:{hook.server_port}/tlt-alerts"  # posted by the real Celery worker
+    team.alert_webhook_url = hook.url("/tlt-alerts")  # posted by the real Celery worker
     team.save()
 
     base = live_server.url
@@ -81,7 +80,7 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     assert "spot training is off" in alert.message
     wait_for(lambda: RunAlert.objects.get(pk=alert.pk).webhook_state == "sent", 60, "the webhook POST",
              lambda: celery_worker_proc.log.read_text()[-3000:])
-    assert [b["alert"] for b in _Hook.bodies] == ["drafter_stale"] and _Hook.bodies[0]["run"]["id"] == str(tlt.id)
+    assert [b["alert"] for b in hook.bodies] == ["drafter_stale"] and hook.bodies[0]["run"]["id"] == str(tlt.id)
     page.goto(f"{base}/runs/{tlt.id}/")
     page.locator('#dashboard[data-active="0"]').wait_for()
     assert "Drafter stale" in page.inner_text("#alert-banner")

@@ -13,7 +13,6 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from tests.conftest import PASSWORD
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -42,15 +41,6 @@ def wait_for(predicate, timeout: float, what: str, on_timeout=lambda: ""):
             return value
         time.sleep(1)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{on_timeout()}")
-
-
-@pytest.fixture
-def alice_team(db):
-    from django.contrib.auth.models import User
-    from tltweb.accounts.services import team_create
-
-    alice = User.objects.create_user("alice", password=PASSWORD)
-    return alice, team_create(name="Alice's lab", owner=alice)
 
 
 def _diagnose(run_id, worker) -> str:
