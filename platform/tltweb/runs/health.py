@@ -160,7 +160,6 @@ def team_webhook_set(*, team, url: str) -> None:
     team.save(update_fields=["alert_webhook_url"])
 
 
-
 def webhook_address_refusal(url: str, *, resolve: bool) -> str | None:
     """Why the server must not POST to `url`, or None. Alerts go to public addresses only (unless
     TLT_WEBHOOK_ALLOW_PRIVATE): a team owner must not make the server reach into its own network

@@ -94,8 +94,8 @@ def plan_placement(cfg, gpu: bool) -> Placement:
     colocated = cfg.grpo.placement == "colocated"
     ranks = cfg.grpo.learner_ranks
     if ranks == 0:  # GPU: one per device it shares (colocated) or one of its own; CPU: one rank on all cores
-        # (bench learner, 2 cores: 2 gloo ranks ran at 0.91x the tokens/s of one rank with both threads,
-        # so more ranks only add actors and collectives)
+        # (bench learner, 2 cores: 2 gloo ranks ran at 0.91x the tokens/s of one rank with both threads on
+        # one VM, 1.17x on a slower one: no clear win for more actors and collectives)
         ranks = (W if colocated else 1) if gpu else 1
     if colocated and ranks > W:
         raise PlacementError(f"grpo.learner_ranks = {ranks} colocated needs as many rollout workers "
