@@ -68,9 +68,10 @@ class LearnerRankImpl:
         step for the same cores, so a layer's gathered weights stay until its backward (no second
         all-gather) and gradients are reduced once per optimizer step, not per micro-batch (2 ranks on
         2 cores, the headline preset's 32-row step: 45.6 -> 35.6 s per two steps in a profile; bench
-        learner: 0.91-0.92x of one rank's tokens/s). Not on GPU, where both cost a full unsharded copy
-        per rank, nor at one rank, where there is no traffic to save and the copies would only add
-        memory (the headline preset's 1024-token rows already take ~9 GB there)."""
+        learner: 0.91-0.92x of one rank's tokens/s on one VM, 1.17x on a slower one). Not on GPU,
+        where both cost a full unsharded copy per rank, nor at one rank, where there is no traffic to
+        save and the copies would only add memory (the headline preset's 1024-token rows already take
+        ~9 GB there)."""
         return self.device.type == "cpu" and self.world > 1
 
     def _sharded(self, model):
