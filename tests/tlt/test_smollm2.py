@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,18 @@ def test_an_incomplete_folder_is_not_taken_for_a_conversion(tmp_path):
     assert not smollm2.is_converted(tmp_path)  # conversion.json does not match the source file
 
 
+def test_the_default_folder_is_in_the_model_cache_wherever_the_process_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative default would follow the working directory
+    monkeypatch.delenv("TLT_MODEL_CACHE", raising=False)
+    assert smollm2.default_folder() == ROOT / "var" / "models" / "smollm2-135m"
+    monkeypatch.setenv("TLT_MODEL_CACHE", str(tmp_path / "cache"))
+    assert smollm2.default_folder() == tmp_path / "cache" / "smollm2-135m"
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder() -> Path:
-    # cached under var/models (or $TLT_MODEL_CACHE) across sessions: the first conversion takes ~1 min
-    cache = Path(os.environ.get("TLT_MODEL_CACHE") or ROOT / "var" / "models")
-    return smollm2.ensure_smollm2(cache / "smollm2-135m")
+    # cached in the model cache across sessions: the first conversion takes ~1 min
+    return smollm2.ensure_smollm2()
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
-"""Fault injection on real services: a tiny run (4 RL steps, a checkpoint each) through a real
+"""Fault injection on real services: a tiny run (24 RL steps, a checkpoint each) through a real
 Celery worker, a real Ray job and the live server, and in the middle of it
 
 - kill -9 of the Celery worker (restarted like a supervisor would),
 - kill -9 of the Ray job's driver (the trainer process),
 - kill -9 of one Ray rollout-worker actor,
-- the web app unreachable for TLT_TEST_OUTAGE_S seconds (default 60).
+- the web app unreachable for TLT_TEST_OUTAGE_S seconds (default 20: several
+  rounds of the trainers' back-off, at most 2 s in the tests).
 
 Each time the run must end succeeded (resumed where its job died), with the metrics of every step,
 its checkpoints complete, artifacts matching their sha256, and no process of a dead job left behind.
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 STEPS = 24  # a tiny step (with its checkpoint) takes ~0.1-0.3 s: 24 leave seconds for a fault to land mid-run
 
-OUTAGE_S = float(os.environ.get("TLT_TEST_OUTAGE_S", "60"))
+OUTAGE_S = float(os.environ.get("TLT_TEST_OUTAGE_S", "20"))
 
 
 def _yaml() -> str:

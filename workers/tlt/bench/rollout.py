@@ -86,7 +86,7 @@ def load_policy(args: argparse.Namespace):
         else:
             from ..models.smollm2 import ensure_smollm2
 
-            folder = ensure_smollm2(REPO_ROOT / "var" / "models" / "smollm2-135m")
+            folder = ensure_smollm2()
         task = make_task("math", tokenizer=folder)
     else:
         folder = Path(args.model_path) if args.model_path else _tiny_folder(args)

