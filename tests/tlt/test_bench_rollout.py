@@ -24,16 +24,19 @@ def _run(capsys, cache, *extra):
             "--train-prompts", "8", "--train-steps", "3", "--gen-batch", "8", "--tail-prompts", "1",
             "--rollout-prompts", "4", "--max-new-tokens", "24", "--arm", "d3k2v6", "--draft-vocab", "8", *extra]
     rc = bench.main(argv)
-    out = capsys.readouterr().out.strip().splitlines()
-    return rc, json.loads(out[-1])
+    captured = capsys.readouterr()
+    return rc, json.loads(captured.out.strip().splitlines()[-1]), captured.err
 
 
 def test_rollout_bench_runs_end_to_end_and_sd_is_lossless(tmp_path, capsys):
-    rc, res = _run(capsys, tmp_path)
+    rc, res, err = _run(capsys, tmp_path)
+    # the first run warms the drafter up and says how far it is (a phase's last line always shows)
+    assert "[bench rollout] drafter warm-up: answers 8/8" in err and "[bench rollout] drafter warm-up: steps 3/3" in err
     assert KEYS <= set(res), KEYS - set(res)
     assert rc == 0
     assert res["greedy_identical"] is True and res["rollout_greedy_identical"] is True
     assert res["drafter_cached"] is False and res["acceptance_length"] >= 1.0
-    rc, again = _run(capsys, tmp_path, "--rollout-prompts", "0", "--no-hf")
+    rc, again, err = _run(capsys, tmp_path, "--rollout-prompts", "0", "--no-hf")
+    assert "drafter warm-up:" not in err  # cached: nothing to wait for
     assert rc == 0 and again["drafter_cached"] is True and again["greedy_identical"] is True
     assert again["engine_vs_hf_generate"] is None

@@ -85,6 +85,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     from ..rollout.sampling import SamplingParams, process, sampling_params
     from ..rollout.speculative import draft_vocab_ids
     from ..trainer import make_run_task
+    from .progress import PhaseProgress
 
     cfg = preset(args.preset)
     folder = prepare_policy_folder(cfg)
@@ -92,8 +93,10 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     task = make_run_task(cfg, folder)
     sampling = sampling_params(cfg.rollout)
     print("[bench coupling] the drafter (the product's warm-up; cached after its first run)", file=sys.stderr, flush=True)
+    progress = PhaseProgress("[bench coupling] drafter warm-up")
     drafter, _ = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
-                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
+                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
+                                on_progress=lambda done, total, what: progress(what, done, total))
     eos = sorted({task.eos_id, *policy.config.eos_ids})
     cap = min(cfg.drafter.warmup_max_new_tokens, cfg.rollout.max_new_tokens)
     prompts = [p.ids for p in task.sample_prompts(args.prompts, random.Random(cfg.run.seed + 99_991))]  # not the warm-up's

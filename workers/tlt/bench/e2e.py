@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .progress import PhaseProgress
+
 log = logging.getLogger("workers.tlt.bench")
 
 # presets whose e2e runs the static-drafter arm unless told otherwise (it costs a third run)
@@ -57,7 +59,7 @@ class _Eta:
 
     def __init__(self, arm: str, steps: int, total_steps: int, done_before: int, started: float):
         self.arm, self.steps, self.total, self.done, self.started = arm, steps, total_steps, done_before, started
-        self._phase, self._phase_start, self._last = "", 0.0, 0.0  # the setup phase being reported
+        self._setup = PhaseProgress(f"[bench e2e] {arm} setup")
 
     def log(self, step: int, scalars: dict[str, float], series: dict[str, Any]) -> None:
         self.done += 1
@@ -72,17 +74,9 @@ class _Eta:
         pass
 
     def progress(self, phase: str, done: int, total: int, message: str = "") -> None:
-        """Setup phases (the drafter warm-up's first run takes minutes): a line every 30 s, with the
-        phase's own ETA from its rate so far."""
-        now = time.perf_counter()
-        if phase == "rl" or (self._phase == phase and now - self._last < 30 and done < total):
-            return
-        if self._phase != phase:
-            self._phase, self._phase_start = phase, now
-        self._last = now
-        rate = done / (now - self._phase_start) if done and now > self._phase_start else 0.0
-        eta = f"; ETA {(total - done) / rate / 60:.1f} min" if rate and done < total else ""
-        print(f"[bench e2e] {self.arm} setup: {phase} {done}/{total} {message}{eta}", file=sys.stderr, flush=True)
+        """Setup phases (bench/progress.py); the RL steps have their own lines (log)."""
+        if phase != "rl":
+            self._setup(phase, done, total, message)
 
     def close(self) -> None:
         pass

@@ -105,14 +105,17 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
 
     from ..learn.drafter_warmup import warmup_drafter, weights_digest
     from ..rollout.sampling import SamplingParams
+    from .progress import PhaseProgress
 
+    progress = PhaseProgress("[bench rollout] drafter warm-up")  # the first run's answers and steps take minutes
     recipe = SimpleNamespace(  # the fields of config.DrafterSection the recipe reads (no pydantic here)
         warmup_prompts=args.train_prompts, warmup_steps=args.train_steps, warmup_max_new_tokens=args.max_new_tokens,
         warmup_lr=args.lr, warmup_batch_tokens=args.batch_tokens, train_vocab=args.train_vocab,
         hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll)
     drafter, info = warmup_drafter(model, task, recipe, sampling=SamplingParams(temperature=args.train_temperature),
                                    policy_key=weights_digest(folder), max_new_tokens=args.max_new_tokens,
-                                   seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain)
+                                   seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain,
+                                   on_progress=lambda done, total, what: progress(what, done, total))
     return drafter, info
 
 
