@@ -96,7 +96,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     progress = PhaseProgress("[bench coupling] drafter warm-up")
     drafter, _ = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
-                                on_progress=lambda done, total, what: progress(what, done, total))
+                                on_progress=progress.warmup)
     eos = sorted({task.eos_id, *policy.config.eos_ids})
     cap = min(cfg.drafter.warmup_max_new_tokens, cfg.rollout.max_new_tokens)
     prompts = [p.ids for p in task.sample_prompts(args.prompts, random.Random(cfg.run.seed + 99_991))]  # not the warm-up's

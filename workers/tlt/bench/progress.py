@@ -4,6 +4,7 @@ seconds between, with the phase's own ETA from its rate so far.
 
     progress = PhaseProgress("[bench rollout] drafter warm-up")
     progress("answers", 128, 1920)        # [bench rollout] drafter warm-up: answers 128/1920; ETA 21.4 min
+    warmup_drafter(..., on_progress=progress.warmup)   # drafter_warmup's (done, total, what) callback
 """
 
 from __future__ import annotations
@@ -28,3 +29,7 @@ class PhaseProgress:
         eta = f"; ETA {(total - done) / rate / 60:.1f} min" if rate and done < total else ""
         text = f" {message}" if message else ""
         print(f"{self.prefix}: {phase} {done}/{total}{text}{eta}", file=sys.stderr, flush=True)
+
+    def warmup(self, done: int, total: int, what: str) -> None:
+        """drafter_warmup.Progress: `what` ("answers", "steps") is the phase."""
+        self(what, done, total)

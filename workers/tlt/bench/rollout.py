@@ -115,7 +115,7 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
     drafter, info = warmup_drafter(model, task, recipe, sampling=SamplingParams(temperature=args.train_temperature),
                                    policy_key=weights_digest(folder), max_new_tokens=args.max_new_tokens,
                                    seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain,
-                                   on_progress=lambda done, total, what: progress(what, done, total))
+                                   on_progress=progress.warmup)
     return drafter, info
 
 
