@@ -49,6 +49,38 @@ def test_the_onednn_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
+@pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_training_through_onednn_gives_f_linears_output_and_gradients(bias):
+    """The product and all three gradients (input, weight, bias), on a training-sized batch with
+    leading dimensions, and across an optimizer step (weights are packed at each call, never stale)."""
+    torch.manual_seed(0)
+    fast, ref = Linear(192, 320, bias=bias), torch.nn.Linear(192, 320, bias=bias)
+    ref.load_state_dict(fast.state_dict())
+    fast.train_kernel = "onednn"
+    opt = torch.optim.SGD(fast.parameters(), lr=0.01)
+    for _ in range(2):
+        x = torch.randn(3, 100, 192)
+        xf, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        g = torch.randn(3, 100, 320)
+        yf, yr = fast(xf), ref(xr)
+        assert "OneDNN" in type(yf.grad_fn.next_functions[0][0]).__name__  # the path under test ran
+        torch.testing.assert_close(yf, yr, rtol=1e-5, atol=1e-4)
+        (yf * g).sum().backward()
+        (yr * g).sum().backward()
+        torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-5, atol=1e-4)
+        for pf, pr in zip(fast.parameters(), ref.parameters()):
+            assert pf.grad.abs().max() > 0.1
+            torch.testing.assert_close(pf.grad, pr.grad, rtol=1e-4, atol=1e-4)
+        opt.step()  # changes the weights by about their own size, which the next product must see
+        opt.zero_grad()
+        ref.zero_grad()
+        with torch.no_grad():
+            ref.weight.copy_(fast.weight)  # the same weights again, without the gradients' rounding
+            if bias:
+                ref.bias.copy_(fast.bias)
+
+
 def test_keeps_leading_dimensions():
     layer = Linear(256, 320)
     layer.kernel = "onednn"
@@ -126,6 +158,7 @@ def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_
     chosen = tune(model)
     assert set(chosen) == {"512x256x2", "256x512x1"} and set(chosen.values()) <= set(KERNELS)
     assert model[0].kernel == model[2].kernel == chosen["512x256x2"]
+    assert model[0].train_kernel == model[2].train_kernel in linear.TRAIN_KERNELS
     assert kernel_cache.exists() and linear.cpu_name() in kernel_cache.read_text()
     assert tune(model) == {}  # tuned once per model
 
@@ -133,8 +166,10 @@ def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_
         raise AssertionError("a cached choice was measured again")
 
     monkeypatch.setattr(linear, "_time_group", no_timing)
+    monkeypatch.setattr(linear, "_time_training", no_timing)
     again = _model()
     assert tune(again) == chosen  # another process with the same CPU, torch and threads reads the file
+    assert [m.train_kernel for m in again] == [m.train_kernel for m in model]
 
 
 def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):

@@ -36,6 +36,7 @@ class LearnerRankImpl:
         from torch.distributed.device_mesh import init_device_mesh
 
         from ..learn.grpo import GRPOLearner
+        from ..models.linear import tune
         from ..models.transformer import Transformer
         from ..rollout.sampling import sampling_params
 
@@ -51,8 +52,9 @@ class LearnerRankImpl:
         self._ckpt_group = dist.new_group(backend="gloo")
         self.mesh = init_device_mesh(device, (world,))
         self.sync_dtype = getattr(torch, cfg.model.dtype)  # what the rollout workers hold
-        self.policy = self._sharded(Transformer.from_pretrained(policy_folder, dtype=torch.float32,
-                                                                device=self.device))
+        policy = Transformer.from_pretrained(policy_folder, dtype=torch.float32, device=self.device)
+        tune(policy)  # this CPU's fastest kernels, for the training products too (a no-op on GPUs)
+        self.policy = self._sharded(policy)
         ref = None
         if cfg.grpo.kl_coef > 0:
             ref = self._sharded(Transformer.from_pretrained(policy_folder, dtype=torch.float32, device=self.device))
