@@ -11,8 +11,8 @@ shape, each group streamed whole, as a decode step streams it) for 1..64 rows, k
 per group, and caches the choice on disk per CPU model, torch version and thread count
 (`kernel_cache_path()`); rollout.generate() tunes the models it decodes with on first use.
 
-Candidates (every one equals F.linear up to float rounding; autograd, other dtypes, GPUs and more
-than MAX_FEW_ROWS rows always take F.linear):
+Candidates (every one equals F.linear up to float rounding; other dtypes, GPUs and more than
+MAX_FEW_ROWS rows always take F.linear; autograd takes the training kernel below):
 
     linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
     onednn   oneDNN with the weight packed once; a single row is computed as two (the row
@@ -26,7 +26,8 @@ Training (autograd) products are a separate choice, `Linear.train_kernel`: PyTor
 oneDNN for the product and both gradient products (`_OneDNNLinear`; weights packed afresh at each
 call, since every optimizer step changes them). `tune` times both on a training-sized product
 (TRAIN_ROWS rows): on a 2-core AVX-512 AMD EPYC oneDNN ran 2-2.5x PyTorch's default sgemm at every
-size from 64 to 4096 rows, and a SmolLM2 forward + backward of 4 x 1024 tokens 1.3-1.6x faster.
+size from 64 to 4096 rows, a SmolLM2 forward + backward of 4 x 1024 tokens ran 1.3-1.6x faster,
+and the learner's step (bench learner) 1.8x.
 
 The packed copy is made on first use and made again when the weight changes: a new tensor, or an
 in-place update (load_state_dict, optimizer steps) that bumps the tensor's version counter.
@@ -89,7 +90,8 @@ class Linear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if self.train_kernel == "onednn" and rows and _ONEDNN and _cpu_float32_training(x, w):
             y = _OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)  # a model's output stays no view (FSDP2 hooks it)
+            # a 2-D product is returned as is: a model's output must not be a view (FSDP2 hooks it)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
         if kernel == "linear" or not 1 <= rows <= MAX_FEW_ROWS or not _cpu_float32_inference(x, w):
             return F.linear(x, w, self.bias)
         if not _ONEDNN or w.is_inference():  # the packed copy is keyed by the version counter,
@@ -101,17 +103,16 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 y = y + self.bias
         elif rows == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
-            y = torch.ops.mkldnn._linear_pointwise(torch.cat([x2, x2]), self._packed_weight(), self.bias,
-                                                   "none", [], "")[:1]
+            y = _onednn(torch.cat([x2, x2]), self._packed_weight(), self.bias)[:1]
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self._packed_weight(), self.bias, "none", [], "")
+            y = _onednn(x2, self._packed_weight(), self.bias)
         return y.reshape(*x.shape[:-1], -1)
 
     def _packed_weight(self) -> Tensor:
         w = self.weight
         key = (w.data_ptr(), w._version, tuple(w.shape))
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT))
+            self._packed = (key, _pack(w.detach()))
         return self._packed[1]
 
 
