@@ -45,6 +45,7 @@ import platform
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -217,35 +218,31 @@ def _write_cache(updates: dict[str, str]) -> None:
         log.warning("could not cache tuned kernels in %s: %s", path, exc)
 
 
-def _time_group(layers: list[Linear], kernels: tuple[str, ...], rows: int, reps: int) -> dict[str, float]:
-    """Best of `reps` passes of a `rows`-row input through every layer of the group, per kernel;
-    the kernels take turns, so a burst of load elsewhere hits them all alike."""
-    x = torch.randn(rows, layers[0].in_features)
-    best = dict.fromkeys(kernels, float("inf"))
-    for rep in range(reps + 1):  # the first round is a warm-up: packs the weights, faults pages in
-        for kernel in kernels:
+def _best_times(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Best of `reps` timed calls of each run; the runs take turns, so a burst of load elsewhere hits
+    them all alike, after an untimed first round (it packs the weights and faults pages in)."""
+    best = dict.fromkeys(runs, float("inf"))
+    for rep in range(reps + 1):
+        for name, run in runs.items():
             t = time.perf_counter()
-            for layer in layers:
-                layer.run(x, kernel)
+            run()
             if rep:
-                best[kernel] = min(best[kernel], time.perf_counter() - t)
+                best[name] = min(best[name], time.perf_counter() - t)
     return best
+
+
+def _time_group(layers: list[Linear], kernels: tuple[str, ...], rows: int, reps: int) -> dict[str, float]:
+    """A `rows`-row input through every layer of the group, per kernel (_best_times)."""
+    x = torch.randn(rows, layers[0].in_features)
+    return _best_times({k: lambda k=k: [layer.run(x, k) for layer in layers] for k in kernels}, reps)
 
 
 def _time_training(layer: Linear, reps: int) -> dict[str, float]:
-    """Best of `reps` products of a TRAIN_ROWS-row input by the layer's weight, per training
-    kernel (forward only: the gradient products are products of the same kind and size)."""
+    """A TRAIN_ROWS-row product by the layer's weight, per training kernel (_best_times; forward
+    only: the gradient products are products of the same kind and size)."""
     x = torch.randn(TRAIN_ROWS, layer.in_features)
     w = layer.weight.detach()
-    run = {"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, _pack(w))}
-    best = dict.fromkeys(TRAIN_KERNELS, float("inf"))
-    for rep in range(reps + 1):
-        for kernel in TRAIN_KERNELS:
-            t = time.perf_counter()
-            run[kernel]()
-            if rep:
-                best[kernel] = min(best[kernel], time.perf_counter() - t)
-    return best
+    return _best_times({"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, _pack(w))}, reps)
 
 
 def chosen_kernels(model: nn.Module) -> dict[str, str]:
