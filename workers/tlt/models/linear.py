@@ -148,16 +148,20 @@ class _OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def _cpu_float32_training(x: Tensor, w: Tensor) -> bool:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
-        return False
+def _autograd(x: Tensor, w: Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
+def _cpu_float32(x: Tensor, w: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+
+
+def _cpu_float32_training(x: Tensor, w: Tensor) -> bool:
+    return _cpu_float32(x, w) and _autograd(x, w)
+
+
 def _cpu_float32_inference(x: Tensor, w: Tensor) -> bool:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
-        return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))  # autograd keeps its path
+    return _cpu_float32(x, w) and not _autograd(x, w)  # autograd takes the training kernel
 
 
 # --- tuning ---------------------------------------------------------------------------------------
