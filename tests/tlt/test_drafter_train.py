@@ -12,6 +12,7 @@ from workers.tlt.config import DrafterSection, ModelSection
 from workers.tlt.models.drafter import Drafter
 from workers.tlt.learn.drafter_train import DrafterTrainer, average_state_dicts, drafter_loss, unrolled_predictions
 from workers.tlt.learn.sft import build_tiny_model
+from workers.tlt.models import linear
 
 SMALL = ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 H = SMALL.hidden_size
@@ -107,6 +108,28 @@ def test_the_loss_is_masked_and_never_writes_gradients_into_the_target(target):
     batch2 = batch._replace(hidden=batch.hidden.clone())
     batch2.hidden[~torch.arange(batch.tokens.shape[1])[None].lt(batch.lengths[:, None])] = 7.0
     assert drafter_loss(drafter, batch2)[0].item() == loss.item()
+
+
+@pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
+def test_the_lm_head_products_follow_the_targets_bulk_kernel_with_the_same_loss_and_gradients(target, monkeypatch):
+    ran = []
+    real = linear._onednn
+    monkeypatch.setattr(linear, "_onednn", lambda x2, *a: ran.append(x2.shape[0]) or real(x2, *a))
+    batch = next(harvested_buffer(target).batches(4096))
+    assert batch.num_loss_tokens > linear.MAX_FEW_ROWS  # a many-row product, where the bulk kernel applies
+    got = {}
+    for bulk in linear.BULK_KERNELS:
+        target.lm_head.bulk_kernel = bulk
+        ran.clear()
+        drafter = Drafter.for_target(target)
+        loss, _ = drafter_loss(drafter, batch, vocab=torch.arange(2, 18))
+        loss.backward()
+        got[bulk] = [loss.detach()] + [p.grad for p in drafter.parameters() if p.requires_grad]
+        # the untuned drafter's own layers stay on F.linear: only the head's products reach oneDNN
+        assert bool(ran) == (bulk == "onednn")
+    for a, b in zip(got["linear"], got["onednn"]):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_training_lowers_the_loss_and_raises_agreement(target):

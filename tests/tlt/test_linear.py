@@ -35,6 +35,25 @@ def test_every_kernel_equals_f_linear_for_any_number_of_rows(rows, bias, kernel)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
+@pytest.mark.parametrize("bulk", linear.BULK_KERNELS)
+def test_more_rows_than_a_few_take_the_bulk_kernel(bulk, monkeypatch):
+    """Prefill and many-row decode are compute-bound like training products: they follow bulk_kernel,
+    whatever the few-row choice, and still compute what F.linear computes."""
+    ran = []
+    real = linear._onednn
+    monkeypatch.setattr(linear, "_onednn", lambda x2, *a: ran.append(x2.shape[0]) or real(x2, *a))
+    torch.manual_seed(0)
+    layer = Linear(256, 320)
+    layer.kernel, layer.bulk_kernel = "linear", bulk
+    x = torch.randn(3, MAX_FEW_ROWS, 256)
+    with torch.inference_mode():
+        got = layer(x)
+        layer(x[0, :MAX_FEW_ROWS])  # a few rows: the few-row kernel ("linear")
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert ran == ([3 * MAX_FEW_ROWS] if bulk == "onednn" else [])
+
+
 @pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (4096, 576)])
 def test_the_onednn_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(shape):
     """SmolLM2's layer shapes: a decode step (one row per sequence) and a verify pass (several rows)
@@ -57,7 +76,7 @@ def test_training_through_onednn_gives_f_linears_output_and_gradients(bias):
     torch.manual_seed(0)
     fast, ref = Linear(192, 320, bias=bias), torch.nn.Linear(192, 320, bias=bias)
     ref.load_state_dict(fast.state_dict())
-    fast.train_kernel = "onednn"
+    fast.bulk_kernel = "onednn"
     opt = torch.optim.SGD(fast.parameters(), lr=0.01)
     for _ in range(2):
         x = torch.randn(3, 100, 192)
@@ -158,7 +177,7 @@ def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_
     chosen = tune(model)
     assert set(chosen) == {"512x256x2", "256x512x1"} and set(chosen.values()) <= set(KERNELS)
     assert model[0].kernel == model[2].kernel == chosen["512x256x2"]
-    assert model[0].train_kernel == model[2].train_kernel in linear.TRAIN_KERNELS
+    assert model[0].bulk_kernel == model[2].bulk_kernel in linear.BULK_KERNELS
     assert kernel_cache.exists() and linear.cpu_name() in kernel_cache.read_text()
     assert tune(model) == {}  # tuned once per model
 
@@ -166,10 +185,10 @@ def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_
         raise AssertionError("a cached choice was measured again")
 
     monkeypatch.setattr(linear, "_time_group", no_timing)
-    monkeypatch.setattr(linear, "_time_training", no_timing)
+    monkeypatch.setattr(linear, "_time_bulk", no_timing)
     again = _model()
     assert tune(again) == chosen  # another process with the same CPU, torch and threads reads the file
-    assert [m.train_kernel for m in again] == [m.train_kernel for m in model]
+    assert [m.bulk_kernel for m in again] == [m.bulk_kernel for m in model]
 
 
 def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .buffer import Batch, DrafterBuffer
 from ..models.drafter import Drafter
+from ..models.linear import Linear
 
 if TYPE_CHECKING:  # the config needs pydantic; the loss alone (bench rollout on a bare GPU node) does not
     from ..config import DrafterSection
@@ -92,10 +93,12 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, tok
     tokens = batch.tokens.to(device)
     mask = batch.mask[:, :-1].to(device)  # [B, T-1]: position i predicts h_{i+1}
     true = hidden[:, 1:]
-    # the target's LM head, detached: same numbers, no gradient into a policy sharing the process
-    head = drafter.target.lm_head.weight.detach()
-    if vocab is not None:
-        head = head.index_select(0, vocab.to(head.device))
+    # the target's LM head, detached: same numbers, no gradient into a policy sharing the process;
+    # its rows restricted to `vocab`, through the kernel tuned for the whole head's many-row products
+    target_head = drafter.target.lm_head
+    weight = target_head.weight.detach()
+    head = Linear.frozen(weight if vocab is None else weight.index_select(0, vocab.to(weight.device)))
+    head.bulk_kernel = target_head.bulk_kernel
 
     preds = unrolled_predictions(drafter, hidden, tokens, unroll)
     metrics: dict[str, float] = {}
@@ -109,9 +112,9 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, tok
             continue
         hidden_loss = F.smooth_l1_loss(pred_m.float(), true_m.float())
         with torch.no_grad():
-            target_logits = F.linear(true_m, head).float()
+            target_logits = head(true_m).float()
             target_p = torch.softmax(target_logits, dim=-1)
-        pred_logits = F.linear(pred_m, head).float()
+        pred_logits = head(pred_m).float()
         token_loss = -(target_p * torch.log_softmax(pred_logits, dim=-1)).sum(-1).mean()
         losses.append(hidden_weight * hidden_loss + token_weight * token_loss)
         with torch.no_grad():

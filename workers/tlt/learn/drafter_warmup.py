@@ -40,6 +40,7 @@ from torch import Tensor
 
 from .buffer import DrafterBuffer
 from ..models.drafter import Drafter
+from ..models.linear import tune
 from .drafter_train import drafter_loss
 from ..models.transformer import Transformer
 from ..rollout.sampling import SamplingParams
@@ -155,6 +156,8 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
              len(answers), n_resp, generate_s)
 
     t1 = time.perf_counter()
+    for model in (policy, drafter):  # this CPU's fastest kernels for the training products (a no-op on GPUs)
+        tune(model)
     steps, train_top1 = _train(drafter, buf, cfg, vocab, seed, on_progress)
     info = {"steps": steps, "answers": len(answers), "response_tokens": n_resp, "train_top1": train_top1,
             "generate_s": round(generate_s, 1), "train_s": round(time.perf_counter() - t1, 1),

@@ -11,8 +11,8 @@ shape, each group streamed whole, as a decode step streams it) for 1..64 rows, k
 per group, and caches the choice on disk per CPU model, torch version and thread count
 (`kernel_cache_path()`); rollout.generate() tunes the models it decodes with on first use.
 
-Candidates (every one equals F.linear up to float rounding; other dtypes, GPUs and more than
-MAX_FEW_ROWS rows always take F.linear; autograd takes the training kernel below):
+Candidates (every one equals F.linear up to float rounding; other dtypes and GPUs always take
+F.linear; products of more than MAX_FEW_ROWS rows and autograd take the bulk kernel below):
 
     linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
     onednn   oneDNN with the weight packed once; a single row is computed as two (the row
@@ -22,12 +22,14 @@ MAX_FEW_ROWS rows always take F.linear; autograd takes the training kernel below
     gemm2    one row as W @ [x; x]^T (a sgemm with N = 2 streams W faster than sgemv on some
              CPUs); more rows through oneDNN. Rounds one row differently from several.
 
-Training (autograd) products are a separate choice, `Linear.train_kernel`: PyTorch's linear, or
-oneDNN for the product and both gradient products (`_OneDNNLinear`; weights packed afresh at each
-call, since every optimizer step changes them). `tune` times both on a training-sized product
-(TRAIN_ROWS rows): on a 2-core AVX-512 AMD EPYC oneDNN ran 2-2.5x PyTorch's default sgemm at every
-size from 64 to 4096 rows, a SmolLM2 forward + backward of 4 x 1024 tokens ran 1.3-1.6x faster,
-and the learner's step (bench learner) 1.8x.
+Compute-bound products are a separate choice, `Linear.bulk_kernel`: PyTorch's linear, or oneDNN.
+It takes every autograd product (the product and both gradient products, `_OneDNNLinear`; weights
+packed afresh at each call, since every optimizer step changes them) and every inference product
+of more than MAX_FEW_ROWS rows (prefill; the drafter warm-up's 128-row decode; the packed copy
+below). `tune` times both on one BULK_ROWS-row product per weight shape: on a 2-core AVX-512 AMD
+EPYC oneDNN ran 2-2.5x PyTorch's default sgemm at every size from 64 to 4096 rows, a SmolLM2
+forward + backward of 4 x 1024 tokens ran 1.3-1.6x faster, and the learner's step (bench learner)
+1.8x.
 
 The packed copy is made on first use and made again when the weight changes: a new tensor, or an
 in-place update (load_state_dict, optimizer steps) that bumps the tensor's version counter.
@@ -58,8 +60,8 @@ log = logging.getLogger(__name__)
 MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more rows are compute-bound
 KERNELS = ("linear", "onednn", "gemm2")
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
-TRAIN_KERNELS = ("linear", "onednn")  # for autograd products (Linear.train_kernel)
-TRAIN_ROWS = 1024  # rows of the training-sized product the training kernels are timed on
+BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
+BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -68,7 +70,7 @@ class Linear(nn.Linear):
     """Drop-in nn.Linear (same parameters and state_dict keys) that routes few-row CPU products."""
 
     kernel: str = "linear"  # set by tune()
-    train_kernel: str = "linear"  # set by tune(): autograd products (TRAIN_KERNELS)
+    bulk_kernel: str = "linear"  # set by tune(): autograd and many-row products (BULK_KERNELS)
     _packed: tuple[tuple, Tensor] | None = None
 
     @classmethod
@@ -86,14 +88,17 @@ class Linear(nn.Linear):
         return self.run(x, self.kernel)
 
     def run(self, x: Tensor, kernel: str) -> Tensor:
-        """x @ W^T + b through `kernel` where it applies (few rows, CPU float32 inference)."""
+        """x @ W^T + b through `kernel` for few-row CPU float32 inference, else through bulk_kernel
+        (autograd, or more than MAX_FEW_ROWS rows); F.linear wherever neither applies."""
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self.train_kernel == "onednn" and rows and _ONEDNN and _cpu_float32_training(x, w):
+        if self.bulk_kernel == "onednn" and rows and _ONEDNN and _cpu_float32_training(x, w):
             y = _OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
             # a 2-D product is returned as is: a model's output must not be a view (FSDP2 hooks it)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
-        if kernel == "linear" or not 1 <= rows <= MAX_FEW_ROWS or not _cpu_float32_inference(x, w):
+        if rows > MAX_FEW_ROWS:  # prefill, many-row decode: compute-bound, like a training product
+            kernel = self.bulk_kernel
+        if kernel == "linear" or not rows or not _cpu_float32_inference(x, w):
             return F.linear(x, w, self.bias)
         if not _ONEDNN or w.is_inference():  # the packed copy is keyed by the version counter,
             return F.linear(x, w, self.bias)  # which inference tensors lack
@@ -161,7 +166,7 @@ def _cpu_float32_training(x: Tensor, w: Tensor) -> bool:
 
 
 def _cpu_float32_inference(x: Tensor, w: Tensor) -> bool:
-    return _cpu_float32(x, w) and not _autograd(x, w)  # autograd takes the training kernel
+    return _cpu_float32(x, w) and not _autograd(x, w)  # autograd takes _OneDNNLinear or F.linear
 
 
 # --- tuning ---------------------------------------------------------------------------------------
@@ -241,10 +246,10 @@ def _time_group(layers: list[Linear], kernels: tuple[str, ...], rows: int, reps:
     return _best_times({k: lambda k=k: [layer.run(x, k) for layer in layers] for k in kernels}, reps)
 
 
-def _time_training(layer: Linear, reps: int) -> dict[str, float]:
-    """A TRAIN_ROWS-row product by the layer's weight, per training kernel (_best_times; forward
-    only: the gradient products are products of the same kind and size)."""
-    x = torch.randn(TRAIN_ROWS, layer.in_features)
+def _time_bulk(layer: Linear, reps: int) -> dict[str, float]:
+    """A BULK_ROWS-row product by the layer's weight, per bulk kernel (_best_times; forward only:
+    the gradient products are products of the same kind and size)."""
+    x = torch.randn(BULK_ROWS, layer.in_features)
     w = layer.weight.detach()
     return _best_times({"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, _pack(w))}, reps)
 
@@ -269,10 +274,10 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
     Layers are grouped by weight shape; a group's candidates are timed over the whole group (its
     weights stream from memory as in a decode step) at 1..64 rows, each row count's time
     normalised by its best candidate; the lowest total wins unless an earlier candidate in KERNELS
-    is within 3% of it (timing noise must not pick a kernel). The training kernel (`train_kernel`)
-    is chosen the same way on one TRAIN_ROWS-row product per group. Cached on disk; a no-op for
-    models already tuned, on GPUs, for other dtypes and under TLT_KERNEL (which leaves training on
-    PyTorch's linear).
+    is within 3% of it (timing noise must not pick a kernel). The bulk kernel (`bulk_kernel`)
+    is chosen the same way on one BULK_ROWS-row product per group. Cached on disk; a no-op for
+    models already tuned, on GPUs, for other dtypes and under TLT_KERNEL (which leaves bulk
+    products on PyTorch's linear).
     """
     layers = [m for m in model.modules() if isinstance(m, Linear) and not m.weight.is_meta]
     if not layers or getattr(model, "_tlt_tuned", False):
@@ -301,20 +306,20 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
                 low = min(score.values())
                 kernel = next(k for k in _candidates() if score[k] <= low * 1.03)
                 fresh[key] = kernel
-            train = cached.get(key + "|train")
-            if train not in TRAIN_KERNELS:
-                t = _time_training(group[0], reps) if _ONEDNN else {"linear": 0.0}
-                train = next(k for k in TRAIN_KERNELS if k in t and t[k] <= min(t.values()) * 1.03)
-                fresh[key + "|train"] = train
+            bulk = cached.get(key + "|bulk")
+            if bulk not in BULK_KERNELS:
+                t = _time_bulk(group[0], reps) if _ONEDNN else {"linear": 0.0}
+                bulk = next(k for k in BULK_KERNELS if k in t and t[k] <= min(t.values()) * 1.03)
+                fresh[key + "|bulk"] = bulk
             for layer in group:
-                layer.kernel, layer.train_kernel = kernel, train
-                if kernel == "linear":
+                layer.kernel, layer.bulk_kernel = kernel, bulk
+                if kernel == bulk == "linear":
                     layer._packed = None  # no packed copy kept for layers that never use it
             chosen[f"{shape[0]}x{shape[1]}x{len(group)}"] = kernel
     if fresh:
         _write_cache(fresh)
-        log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s; training: %s", time.perf_counter() - t0,
+        log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s; bulk: %s", time.perf_counter() - t0,
                  cpu_name(), torch.get_num_threads(), chosen,
-                 {f"{o}x{i}": g[0].train_kernel for (o, i), g in groups.items()})
+                 {f"{o}x{i}": g[0].bulk_kernel for (o, i), g in groups.items()})
     model._tlt_tuned = True
     return chosen
