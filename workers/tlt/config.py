@@ -123,7 +123,7 @@ class SpecSection(_Section):
     epsilon: float = Field(spec_defaults.EPSILON, ge=0.0, le=1.0, description="Bandit exploration probability.")
     buckets: list[int] = Field(list(spec_defaults.BUCKETS),
                                description="Upper batch sizes of the bandit buckets (last bucket is open).")
-    window: int = Field(spec_defaults.WINDOW, ge=1, le=1024, description="Rewards kept per arm for the median.")
+    window: int = Field(spec_defaults.WINDOW, ge=1, le=1024, description="Passes kept per arm for its rate (tokens over seconds).")
     strategies: list[tuple[int, int, int]] = Field(
         list(spec_defaults.STRATEGIES),
         description="Arms as (draft depth, top-k branching, tokens verified per pass); top-k 1 is a chain.",

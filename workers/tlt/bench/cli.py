@@ -5,7 +5,8 @@
                                     [--set drafter.warmup_steps=800 ...]   # preset overrides
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
     python -m workers.tlt.bench learner ...        # learner group: 1 vs 2 ranks, sync paths
-    python -m workers.tlt.bench coupling ...       # drafter/target agreement by coupling rule
+    python -m workers.tlt.bench coupling [--set drafter.warmup_prompts=2048 ...]   # drafter/target
+                                                   # agreement by coupling rule
 
 Each subcommand's LAST stdout line is one JSON object; e2e.py, rollout.py and learner.py say what
 they measure. Benchmarks measure; tests check correctness, never timings.
@@ -63,7 +64,13 @@ def add_coupling_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("coupling", help="drafter/target agreement by coupling rule (the headroom under sampling)")
     add_arguments(p)
+    add_set_argument(p)  # another drafter recipe: drafter.warmup_prompts=2048
     p.set_defaults(func=cmd_coupling)
+
+
+def add_set_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help=f"override a preset field {scope}(repeatable; YAML values), e.g. drafter.warmup_steps=800")
 
 
 # --- entry ------------------------------------------------------------------------------------
@@ -77,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["smollm2-mathmix-cpu", "tiny-cpu", "smollm2-cpu"])
     p.add_argument("--steps", type=int, help="RL steps per run (default: the preset's)")
     p.add_argument("--out", help="folder for both runs' metrics (default: a temp folder)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a preset field for every arm (repeatable), e.g. drafter.warmup_steps=800")
+    add_set_argument(p, "for every arm ")
     p.add_argument("--static-drafter", action=argparse.BooleanOptionalAction, default=None,
                    help="also run TLT with the drafter frozen after warm-up (default: on for "
                         f"{', '.join(sorted(STATIC_BY_DEFAULT))})")

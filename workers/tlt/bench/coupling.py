@@ -2,6 +2,7 @@
 the headroom a better coupling would buy SD under sampling. The LAST stdout line is one JSON object.
 
     python -m workers.tlt.bench coupling [--preset smollm2-mathmix-cpu] [--prompts 32] [--temperatures 0.7 1.0]
+                                         [--set drafter.warmup_prompts=2048 ...]   # another recipe
 
 The preset's policy answers held-out prompts of its task (as the drafter warm-up does, same cap);
 at every response position the target's distribution p and the warmed-up drafter's q (the product's
@@ -85,16 +86,17 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     from ..rollout.sampling import SamplingParams, process, sampling_params
     from ..rollout.speculative import draft_vocab_ids
     from ..trainer import make_run_task
+    from .e2e import parse_overrides
     from .progress import PhaseProgress
 
-    cfg = preset(args.preset)
+    cfg = preset(args.preset, parse_overrides(args.set))
     folder = prepare_policy_folder(cfg)
     policy = Transformer.from_pretrained(folder).eval()
     task = make_run_task(cfg, folder)
     sampling = sampling_params(cfg.rollout)
     print("[bench coupling] the drafter (the product's warm-up; cached after its first run)", file=sys.stderr, flush=True)
     progress = PhaseProgress("[bench coupling] drafter warm-up")
-    drafter, _ = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
+    drafter, warm = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
                                 on_progress=progress.warmup)
     eos = sorted({task.eos_id, *policy.config.eos_ids})
@@ -123,8 +125,11 @@ def cmd_coupling(args: argparse.Namespace) -> int:
                 q = q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub)
                 for k, v in agreements(p, q, args.gumbel_draws, gen).items():
                     sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
-    out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "positions": n, "cpu": cpu_name(),
-                           "draft_vocab": cfg.spec.draft_vocab}
+    out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "overrides": args.set, "positions": n,
+                           "cpu": cpu_name(), "draft_vocab": cfg.spec.draft_vocab,
+                           # the drafter's fit to its own training answers, beside the held-out figures
+                           "warmup": {k: warm.get(k) for k in ("answers", "response_tokens", "steps", "train_top1",
+                                                               "generate_s", "train_s", "cached")}}
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
     print(json.dumps(out))

@@ -86,7 +86,7 @@ class SpecPolicy:
     off_arm: bool = True  # plain decoding is an arm too: SD switches off where it does not pay
     epsilon: float = spec_defaults.EPSILON  # bandit exploration probability
     buckets: tuple[int, ...] = spec_defaults.BUCKETS  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
-    window: int = spec_defaults.WINDOW  # rewards kept per arm and bucket for the median
+    window: int = spec_defaults.WINDOW  # passes kept per arm and bucket for its rate
     arm: str | None = None  # force this arm in the tail, e.g. "d5k1v5" (benchmarks, tests); None: bandit picks
     # reduced draft vocabulary (FR-Spec): the EAGLE drafter's head scores only this many token ids, the
     # most frequent by `drafter.token_counts` (its training data) plus the EOS ids; 0: the full vocabulary.
@@ -545,7 +545,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         emitted = sum(k_host)
         if live <= policy.threshold:
             if arms:
-                bandit.update(live, arm.label, emitted / max(dt, 1e-9))
+                bandit.update(live, arm.label, emitted, dt)
                 m.count_tail(emitted, dt, sd_on, bandit.label(bandit.bucket(live)), arm.label)
             else:
                 m.count_tail(emitted, dt, sd_on)

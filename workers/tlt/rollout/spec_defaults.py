@@ -5,7 +5,7 @@ without pydantic)."""
 THRESHOLD = 32  # SD may switch on when running sequences <= this (the tail)
 EPSILON = 0.1  # bandit exploration probability
 BUCKETS = (1, 4, 20)  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
-WINDOW = 16  # rewards kept per arm and bucket for the median
+WINDOW = 16  # passes kept per arm and bucket for its rate (tokens / seconds)
 STRATEGIES = ((4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16))  # (depth, top-k, verify)
 NGRAM_ARM = True  # also try the n-gram drafter over the row and its siblings
 DRAFT_VOCAB = 0  # reduced draft vocabulary size (0: the full vocabulary)
