@@ -123,6 +123,27 @@ def test_a_worker_state_carries_the_spot_trainers_optimizer_into_a_resumed_worke
     assert fresh.load_worker_state(None) and fresh._bandit is None  # a checkpoint from before worker states
 
 
+def test_a_worker_state_carries_the_bandit_and_drops_one_of_an_older_layout():
+    import pickle
+
+    from workers.tlt.config import preset
+    from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
+    from workers.tlt.learn.sft import build_tiny_model
+    from workers.tlt.rollout.bandit import BucketedBandit
+
+    cfg = preset("tiny-cpu", {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}})
+    worker = RolloutWorkerImpl(0, build_tiny_model(cfg.model, vocab_size=18, bos_id=1, eos_id=2).config, cfg)
+    bandit = BucketedBandit(["off", "d4k1v4"])
+    bandit.update(1, "d4k1v4", 3, 0.05)
+    worker.load_worker_state(pickle.loads(pickle.dumps({"bandit": bandit})))  # as a checkpoint carries it
+    assert worker._bandit.rates()["1"] == pytest.approx({"d4k1v4": 60.0})
+    old = pickle.loads(pickle.dumps(bandit))
+    del old.passes
+    old.rewards = [{"off": [30.0]}]  # per-pass rates, as before the bandit ranked by throughput
+    worker.load_worker_state({"bandit": old})
+    assert worker._bandit is None  # a fresh bandit at the next rollout, not a crash at its first select
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_spot_training_thread_yields_the_cpu_to_generation_and_the_learner():
     from workers.tlt.cluster.rollout_workers import _lowest_cpu_priority

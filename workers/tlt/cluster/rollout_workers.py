@@ -180,14 +180,17 @@ class RolloutWorkerImpl:
 
     def worker_state(self) -> dict[str, Any]:
         """What a resumed run needs from this worker, as plain picklable data for checkpoints: the SD
-        bandit (windows of rewards, its RNG) and the spot trainer (its AdamW moments and step count;
+        bandit (windows of passes, its RNG) and the spot trainer (its AdamW moments and step count;
         the weights it holds are replaced by the master drafter at the next sync anyway)."""
         trainer = self._trainer
         return {"bandit": self._bandit, "drafter_trainer": trainer.state_dict() if trainer is not None else None}
 
     def load_worker_state(self, state: dict[str, Any] | None) -> bool:
         state = state or {}
-        self._bandit = state.get("bandit")
+        bandit = state.get("bandit")
+        # a bandit pickled by an older version (per-pass rates, no `passes`) starts afresh: it relearns
+        # its arms within a few dozen passes, where its old layout would fail at the first select
+        self._bandit = bandit if isinstance(getattr(bandit, "passes", None), list) else None
         if state.get("drafter_trainer") is not None:
             self._get_trainer().load_state_dict(state["drafter_trainer"])
         return True
