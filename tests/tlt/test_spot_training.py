@@ -85,6 +85,28 @@ def test_nothing_starts_without_data_or_after_preemption():
     assert r.idle(0) == [] and r.finish()[1]["drafter/updates"] == 0
 
 
+def test_a_step_trains_at_most_max_epochs_over_its_data_and_more_data_reopens_the_budget():
+    # 1000 trainable tokens at 100 per step: one epoch is 10 optimizer steps, rounds of 4 each
+    r = SpotRounds(2, {"w": torch.zeros(3)}, ["a"], seed=0, step=1, update_steps=4, data_tokens=1000,
+                   batch_tokens=100, max_epochs=1.0)
+    opened = []
+    jobs = r.idle(0)
+    while jobs:
+        [(w, job)] = jobs
+        opened.append(job["steps"])
+        jobs = r.done(w, whole(job))
+    assert opened == [4, 4, 4] and r.waiting == [0]  # the third round crosses the cap and still runs whole
+    assert [w for w, _ in r.add_data(["b"], 500)] == [0]  # 1500 tokens: 15 steps, 12 sent
+    assert r.finish()[1]["drafter/data_tokens"] == 1500
+    uncapped = SpotRounds(2, {"w": torch.zeros(3)}, ["a"], seed=0, step=1, update_steps=4, data_tokens=1000,
+                          batch_tokens=100)
+    jobs = uncapped.idle(0)
+    for _ in range(10):  # max_epochs 0: rounds go on for as long as the worker is idle
+        [(w, job)] = jobs
+        jobs = uncapped.done(w, whole(job))
+    assert uncapped.version == 10 and jobs
+
+
 def test_a_member_that_never_answers_is_dropped_with_its_round():
     r = rounds_for()
     r.idle(0)

@@ -377,8 +377,9 @@ def test_without_hidden_states_from_the_engine_the_buffer_fills_from_the_learner
         torch.testing.assert_close(r.hidden.float(), hidden[0].float(), atol=2e-3, rtol=2e-3)
         assert all(res["harvested"] is False for res in trainer.last_results)
         # next step's begin_step ships all of them to the coordinator (this step's came too late)
-        shipped = [rec for ref in trainer._prev_records_ref() for rec in ray.get(ref)]
-        assert len(shipped) == len(recs)
+        refs, tokens = trainer._prev_records_ref()
+        shipped = [rec for ref in refs for rec in ray.get(ref)]
+        assert len(shipped) == len(recs) and tokens == sum(r.trainable for r in recs) > 0
     finally:
         trainer.close()
         tracking.close()

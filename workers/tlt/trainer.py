@@ -408,19 +408,18 @@ class Trainer:
                       "sync/policy_bytes": float(policy.nbytes), "sync/buckets": float(len(policy.buckets)),
                       "drafter/published_version": float(self._drafter_version if self.tlt else 0)}
 
-    def _prev_records_ref(self):
-        """Previous step's long responses (upper half by length) from the online buffer; all of
-        them when the rollout engine harvests nothing (this step's records then come too late)."""
+    def _prev_records_ref(self) -> tuple[list, int]:
+        """Previous step's long responses (upper half by length) from the online buffer, and their
+        trainable tokens; all of them when the rollout engine harvests nothing (this step's records
+        then come too late)."""
         if not self.buffer.records:
-            return []
+            return [], 0
         last = max(r.step for r in self.buffer.records)
         recs = [r for r in self.buffer.records if r.step == last]
-        if not recs:
-            return []
         median = 0.0 if self._records_from_learner else float(np.median([len(r) for r in recs]))
         keep = [r for r in recs if len(r) >= median]
         return [ray.put([{"tokens": r.tokens, "hidden": r.hidden, "response_start": r.response_start,
-                          "step": r.step} for r in keep])]
+                          "step": r.step} for r in keep])], sum(r.trainable for r in keep)
 
     def run_step(self) -> StepOutput:
         cfg = self.cfg
@@ -579,8 +578,11 @@ class Trainer:
             pending[w.rollout.remote(step, shard_rows[i], self.eos_ids, seed, self.tlt)] = ("rollout", i)
         rounds = None
         if self.spot and not self._spot_failed:
-            rounds = SpotRounds(W, self.drafter_state, self._prev_records_ref(), seed=cfg.run.seed, step=step,
-                                update_steps=cfg.drafter.spot_update_steps, put=ray.put)
+            refs, tokens = self._prev_records_ref()
+            dc = cfg.drafter
+            rounds = SpotRounds(W, self.drafter_state, refs, seed=cfg.run.seed, step=step,
+                                update_steps=dc.spot_update_steps, data_tokens=tokens, batch_tokens=dc.batch_tokens,
+                                max_epochs=dc.spot_max_epochs, put=ray.put)
         spot = _Spot(rounds, pending, {}) if rounds is not None else None
         results: list[dict | None] = [None] * W
         deadline = time.monotonic() + cfg.rollout.timeout_s
@@ -603,7 +605,7 @@ class Trainer:
                     pending[self.workers[i].pack.remote()] = ("pack", i)
             elif kind == "pack" and spot is not None:
                 spot.packs[i] = out
-                self._send(spot, rounds.add_data(out["records"] or []) + rounds.idle(i))
+                self._send(spot, rounds.add_data(out["records"] or [], out.get("tokens", 0)) + rounds.idle(i))
             elif kind == "update" and spot is not None:
                 self._send(spot, rounds.done(i, out))
         if spot is not None:  # the rollout is over: stop spot training now; collect it after the learner

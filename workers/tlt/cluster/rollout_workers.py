@@ -251,11 +251,14 @@ class RolloutWorkerImpl:
 
     def pack(self) -> dict[str, Any]:
         """The last rollout's harvested records in the object store: {"records": [ref] or None,
-        "interval": (start, end)} (the worker's "pack" slice of the timeline)."""
+        "tokens": their trainable tokens, "interval": (start, end)} (the worker's "pack" slice of the
+        timeline)."""
+        from ..learn.buffer import trainable_tokens
+
         start = time.time()
         step, prompts, res = self._last or (0, [], None)
         self._last = None
-        refs = None
+        refs, tokens = None, 0
         if res is not None and res.hidden is not None:
             records = []
             for p, toks, hid in zip(prompts, res.tokens, res.hidden):
@@ -266,8 +269,10 @@ class RolloutWorkerImpl:
                 seq = torch.tensor(list(p) + list(toks), dtype=torch.long)
                 records.append({"tokens": seq[: hid.shape[0]], "hidden": hid.to(torch.float16).cpu(),
                                 "response_start": len(p), "step": step})
-            refs = [ray.put(records)] if records else None  # nested: the driver receives the reference only
-        return {"records": refs, "interval": (start, time.time())}
+            if records:
+                refs = [ray.put(records)]  # nested: the driver receives the reference only
+                tokens = sum(trainable_tokens(len(r["tokens"]), r["response_start"]) for r in records)
+        return {"records": refs, "tokens": tokens, "interval": (start, time.time())}
 
     @ray.method(concurrency_group="control")
     def preempt(self) -> bool:

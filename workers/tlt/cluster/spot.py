@@ -4,9 +4,10 @@ The driver waits on the step's rollouts with ray.wait; a worker whose shard is i
 harvested records, then is idle; `SpotRounds` decides what each idle worker trains, and the driver
 sends it as one `spot_update` call. There is no coordinator actor and no polling:
 
-    rounds = SpotRounds(num_workers, master_state, data_refs, seed=..., step=..., update_steps=...)
+    rounds = SpotRounds(num_workers, master_state, data_refs, seed=..., step=..., update_steps=...,
+                        data_tokens=..., batch_tokens=..., max_epochs=...)
     jobs = rounds.idle(worker)                 # [(worker, job)] to send now (maybe none: wait for the round)
-    jobs = rounds.add_data(refs)               # more records (a worker packed its shard)
+    jobs = rounds.add_data(refs, tokens)       # more records (a worker packed its shard)
     jobs = rounds.done(worker, result)         # an update came back (whole, or dropped when preempted)
     master, stats = rounds.finish()            # after preemption and every outstanding result
 
@@ -15,10 +16,17 @@ master weights of version v, each on a disjoint slice of the buffer, for `update
 steps; when every member has answered, the master becomes the parameter average of the whole
 updates (version v+1). A worker still training when the rollout ends is preempted and its update is
 dropped whole, so an update is applied whole or not at all and idle workers never drift apart.
+
+A step's training is capped at `max_epochs` passes over the step's data (its trainable tokens over
+`batch_tokens` per optimizer step; the round that crosses the cap still runs whole): one step's
+answers are a few thousand tokens, and training on them for a whole long tail made the drafter fit
+them and lose the warm-up's generality (held-out agreement fell; see the preset), while the
+training itself slowed the decoding on the other core.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,11 +46,15 @@ class SpotRounds:
     """The step's spot-training schedule (plain Python: the driver calls it between ray.wait's)."""
 
     def __init__(self, num_workers: int, master: dict[str, torch.Tensor], data_refs: list[Any], *, seed: int,
-                 step: int, update_steps: int, put: Callable[[Any], Any] = lambda x: x):
+                 step: int, update_steps: int, data_tokens: int = 0, batch_tokens: int = 0,
+                 max_epochs: float = 0.0, put: Callable[[Any], Any] = lambda x: x):
         self.num_workers = num_workers
         self.master = master
         self.version = 0
         self.data_refs = list(data_refs)
+        self.data_tokens = data_tokens  # trainable tokens of data_refs (the budget's unit)
+        self.batch_tokens, self.max_epochs = batch_tokens, max_epochs  # max_epochs 0: no cap
+        self.sent_steps = 0  # optimizer steps of the rounds opened so far (whole or dropped)
         self.seed, self.step, self.update_steps = seed, step, update_steps
         self._put = put  # ray.put in the driver: each version goes to the object store once
         self._master_ref = put(master)
@@ -57,9 +69,16 @@ class SpotRounds:
             self.waiting.append(worker)
         return self._maybe_open()
 
-    def add_data(self, refs: list[Any]) -> list[tuple[int, dict[str, Any]]]:
+    def add_data(self, refs: list[Any], tokens: int = 0) -> list[tuple[int, dict[str, Any]]]:
         self.data_refs.extend(refs)
+        self.data_tokens += tokens
         return self._maybe_open()
+
+    def budget_left(self) -> bool:
+        """Whether the step's epoch cap (module doc) leaves room for another round."""
+        if self.max_epochs <= 0 or self.batch_tokens <= 0:
+            return True
+        return self.sent_steps < math.ceil(self.max_epochs * self.data_tokens / self.batch_tokens)
 
     def done(self, worker: int, result: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
         """A member's answer: {"state": weights or None, "steps", "loss", "accuracy", "interval", "empty"}."""
@@ -88,7 +107,8 @@ class SpotRounds:
             self._close()
         s = self.stats
         out = {"drafter/steps": float(s["steps"]), "drafter/updates": float(s["updates"]),
-               "drafter/dropped_updates": float(s["dropped"]), "drafter/version": float(self.version)}
+               "drafter/dropped_updates": float(s["dropped"]), "drafter/version": float(self.version),
+               "drafter/data_tokens": float(self.data_tokens)}
         if s["loss"]:
             out["drafter/loss"] = float(sum(s["loss"][-8:]) / len(s["loss"][-8:]))
         if s["accuracy"]:
@@ -98,10 +118,11 @@ class SpotRounds:
     # --- internals ----------------------------------------------------------------------------
 
     def _maybe_open(self) -> list[tuple[int, dict[str, Any]]]:
-        if self.preempted or self.round is not None or not self.waiting or not self.data_refs:
+        if self.preempted or self.round is not None or not self.waiting or not self.data_refs or not self.budget_left():
             return []
         members, self.waiting = self.waiting, []
         self.round = _Round(self.version, members)
+        self.sent_steps += len(members) * self.update_steps
         stride = self.num_workers
         return [(w, {"version": self.version, "state": self._master_ref, "refs": list(self.data_refs),
                      # disjoint within a round (rank), rotating over rounds so one member sees all data

@@ -50,8 +50,12 @@ class Record:
 
     @property
     def trainable(self) -> int:
-        """Positions with a loss: i in [response_start - 1, L - 2]."""
-        return max(0, len(self) - max(self.response_start, 1))
+        return trainable_tokens(len(self), self.response_start)
+
+
+def trainable_tokens(length: int, response_start: int) -> int:
+    """Positions of a sequence with a loss: i in [response_start - 1, length - 2]."""
+    return max(0, length - max(response_start, 1))
 
 
 class Batch(NamedTuple):
