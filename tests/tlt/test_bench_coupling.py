@@ -26,3 +26,27 @@ def test_the_figures_order_as_couplings_must():
     assert got["maximal"] == pytest.approx(0.8) and got["keyed_argmax_first"] == pytest.approx(0.8)
     assert got["greedy_draft"] == pytest.approx(0.6) and got["p_max"] == pytest.approx(0.6)
     assert got["keyed_inverse_cdf"] <= got["gumbel"] + 0.03 and got["gumbel"] <= got["maximal"] + 0.03
+
+
+def test_the_spot_curve_measures_a_trained_copy_and_leaves_the_warmed_drafter_alone():
+    from workers.tlt.bench.coupling import keyed_agreement, spot_curve
+    from workers.tlt.config import ModelSection, preset
+    from workers.tlt.learn.sft import build_tiny_model
+    from workers.tlt.models.drafter import Drafter
+
+    target = build_tiny_model(ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2),
+                              vocab_size=18, bos_id=1, eos_id=2, seed=1).eval()
+    g = torch.Generator().manual_seed(0)
+    answers = []
+    with torch.no_grad():
+        for i in range(8):
+            toks = torch.randint(4, 18, (12 + 3 * (i % 4),), generator=g)
+            answers.append((toks, target(toks[None]).hidden[0].to(torch.float16), 4))
+    drafter = Drafter.for_target(target, seed=0)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    cfg = preset("tiny-cpu", {"drafter": {"batch_tokens": 64, "spot_max_epochs": 4}, "rollout": {"temperature": 1.0}})
+    start = keyed_agreement(target, drafter, answers, None, 1.0)
+    curve = spot_curve(target, drafter, cfg, [answers] * 3, answers, None, lr=1e-2)
+    assert len(curve) == 3 and all(0.0 < a <= 1.0 for a in [start, *curve])
+    assert curve[-1] > start + 0.05  # trained on the very answers it is scored on: it must fit them better
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())

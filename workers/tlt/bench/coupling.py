@@ -3,6 +3,7 @@ the headroom a better coupling would buy SD under sampling. The LAST stdout line
 
     python -m workers.tlt.bench coupling [--preset smollm2-mathmix-cpu] [--prompts 32] [--temperatures 0.7 1.0]
                                          [--set drafter.warmup_prompts=2048 ...]   # another recipe
+                                         [--spot-lrs 3e-4 5e-5 [--spot-steps 6]]   # spot training's effect
 
 The preset's policy answers held-out prompts of its task (as the drafter warm-up does, same cap);
 at every response position the target's distribution p and the warmed-up drafter's q (the product's
@@ -18,6 +19,12 @@ recipe, cached; its reduced draft vocabulary) are compared, at each temperature,
     greedy_draft       p(argmax q): a drafter that proposes its argmax, accepted by the keyed rule
 
 and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Carlo for gumbel.
+
+`--spot-lrs` also measures what spot training does to the warmed-up drafter: the policy answers
+`--spot-steps` fresh batches of a step's prompts (`task.prompts_per_step`), and a copy of the
+drafter trains on each in turn as a worker does (one AdamW kept across them, the preset's
+`batch_tokens`, `drafter.spot_max_epochs` passes, at least one), at each learning rate; `spot`
+holds the held-out keyed agreement at the preset's temperature after each batch ("before": none).
 Benchmarks measure; tests check correctness, never timings.
 """
 
@@ -39,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=None,
                    help="sampling temperatures compared (default: the preset's, and 1.0)")
     p.add_argument("--gumbel-draws", type=int, default=16, help="Monte Carlo draws of the Gumbel noise per position")
+    p.add_argument("--spot-lrs", type=float, nargs="*", default=[],
+                   help="also: held-out keyed agreement after spot training at these learning rates (module doc)")
+    p.add_argument("--spot-steps", type=int, default=6, help="fresh batches of answers spot training goes through")
 
 
 def _intervals(p: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,14 +86,70 @@ def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) ->
             "greedy_draft": p.gather(1, q.argmax(1, keepdim=True))[:, 0], "p_max": p.max(1).values}
 
 
+def _logits(policy, drafter, answers, ids: Tensor | None):
+    """Per answer: the target's logits and the drafter's (over its draft vocabulary `ids`) at the
+    positions that predict response tokens."""
+    from ..learn.drafter_train import unrolled_predictions
+
+    head = policy.lm_head.weight.detach()
+    drafter.eval()
+    with torch.no_grad():
+        for toks, hid, plen in answers:
+            h = hid.float()[None]
+            pred = unrolled_predictions(drafter, h, toks[None], 1)[0][0]  # [L-1, H] ~ h_{i+1}
+            rows = slice(max(plen - 1, 0), pred.shape[0])
+            yield h[0, 1:][rows] @ head.T, pred[rows] @ (head if ids is None else head[ids]).T
+
+
+def _distributions(logits_p: Tensor, logits_q: Tensor, ids: Tensor | None, temperature: float) -> tuple[Tensor, Tensor]:
+    """p and q over the whole vocabulary (float64), q zero outside the draft vocabulary."""
+    from ..rollout.sampling import SamplingParams, process
+
+    params = SamplingParams(temperature=temperature)
+    p = process(logits_p, params).double()
+    q_sub = process(logits_q, params).double()
+    return p, (q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub))
+
+
+def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: float) -> float:
+    """The product's rule only (cheap): mean keyed inverse-CDF agreement over the answers' positions."""
+    total, n = 0.0, 0
+    for logits_p, logits_q in _logits(policy, drafter, answers, ids):
+        p, q = _distributions(logits_p, logits_q, ids, temperature)
+        order = torch.arange(p.shape[1]).expand_as(p)
+        total += float(inverse_cdf_agreement(p, q, order, order).sum())
+        n += p.shape[0]
+    return total / max(n, 1)
+
+
+def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: float) -> list[float]:
+    """Held-out keyed agreement after spot training a copy of `drafter` on each batch of answers in
+    turn, as a worker trains (module doc)."""
+    import copy
+    import math
+
+    from ..learn.buffer import DrafterBuffer
+    from ..learn.drafter_train import DrafterTrainer
+
+    dc = cfg.drafter.model_copy(update={"lr": lr})
+    trainer = DrafterTrainer(copy.deepcopy(drafter), dc, seed=cfg.run.seed)
+    curve = []
+    for step, answers in enumerate(batches, start=1):
+        buf = DrafterBuffer(max_tokens=10 ** 12)
+        for toks, hid, plen in answers:
+            buf.add(toks, hid, response_start=plen, step=step)
+        trainer.train(buf, max(1, math.ceil((dc.spot_max_epochs or 1) * buf.trainable_tokens / dc.batch_tokens)))
+        curve.append(round(keyed_agreement(policy, trainer.drafter, held_out, ids, cfg.rollout.temperature), 4))
+    return curve
+
+
 def cmd_coupling(args: argparse.Namespace) -> int:
     from ..config import preset
-    from ..learn.drafter_train import unrolled_predictions
     from ..learn.drafter_warmup import generate_answers, warmup_drafter, weights_digest
     from ..models.linear import cpu_name
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
-    from ..rollout.sampling import SamplingParams, process, sampling_params
+    from ..rollout.sampling import sampling_params
     from ..rollout.speculative import draft_vocab_ids
     from ..trainer import make_run_task
     from .e2e import parse_overrides
@@ -97,34 +163,24 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     print("[bench coupling] the drafter (the product's warm-up; cached after its first run)", file=sys.stderr, flush=True)
     progress = PhaseProgress("[bench coupling] drafter warm-up")
     drafter, warm = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
-                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
-                                on_progress=progress.warmup)
+                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
+                                   on_progress=progress.warmup)
     eos = sorted({task.eos_id, *policy.config.eos_ids})
     cap = min(cfg.drafter.warmup_max_new_tokens, cfg.rollout.max_new_tokens)
     prompts = [p.ids for p in task.sample_prompts(args.prompts, random.Random(cfg.run.seed + 99_991))]  # not the warm-up's
     print(f"[bench coupling] the policy answers {len(prompts)} held-out prompts", file=sys.stderr, flush=True)
     answers = generate_answers(policy, prompts, sampling, cap, eos, cfg.run.seed + 1, None)
     ids = draft_vocab_ids(drafter.token_counts, cfg.spec.draft_vocab, eos) if cfg.spec.draft_vocab else None
-    head = policy.lm_head.weight.detach()
     temps = args.temperatures or sorted({cfg.rollout.temperature, 1.0})
     sums: dict[float, dict[str, float]] = {t: {} for t in temps}
     n = 0
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for toks, hid, plen in answers:
-            h = hid.float()[None]
-            pred = unrolled_predictions(drafter, h, toks[None], 1)[0][0]  # [L-1, H] ~ h_{i+1}
-            rows = slice(max(plen - 1, 0), pred.shape[0])  # positions predicting response tokens
-            logits_p = h[0, 1:][rows] @ head.T
-            logits_q = pred[rows] @ (head if ids is None else head[ids]).T
-            n += logits_p.shape[0]
-            for t in temps:
-                params = SamplingParams(temperature=t)
-                p = process(logits_p, params).double()
-                q_sub = process(logits_q, params).double()
-                q = q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub)
-                for k, v in agreements(p, q, args.gumbel_draws, gen).items():
-                    sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
+    for logits_p, logits_q in _logits(policy, drafter, answers, ids):
+        n += logits_p.shape[0]
+        for t in temps:
+            p, q = _distributions(logits_p, logits_q, ids, t)
+            for k, v in agreements(p, q, args.gumbel_draws, gen).items():
+                sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
     out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "overrides": args.set, "positions": n,
                            "cpu": cpu_name(), "draft_vocab": cfg.spec.draft_vocab,
                            # the drafter's fit to its own training answers, beside the held-out figures
@@ -132,5 +188,20 @@ def cmd_coupling(args: argparse.Namespace) -> int:
                                                                "generate_s", "train_s", "cached")}}
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
+    if args.spot_lrs:
+        n_rows = cfg.task.prompts_per_step
+        batches = []
+        for k in range(args.spot_steps):
+            print(f"[bench coupling] spot training: the policy answers step {k + 1}/{args.spot_steps}", file=sys.stderr,
+                  flush=True)
+            step_prompts = task.sample_prompts(n_rows, random.Random(cfg.run.seed + 55_555 + k))
+            rows = [p.ids for p in step_prompts for _ in range(cfg.rollout.samples_per_prompt)]
+            batches.append(generate_answers(policy, rows, sampling, cap, eos, cfg.run.seed + 2 + k, None))
+        out["spot"] = {"before": round(keyed_agreement(policy, drafter, answers, ids, cfg.rollout.temperature), 4),
+                       "temperature": cfg.rollout.temperature, "epochs": cfg.drafter.spot_max_epochs or 1,
+                       "response_tokens": [sum(len(t) - p for t, _, p in b) for b in batches], "after_each_step": {}}
+        for lr in args.spot_lrs:
+            print(f"[bench coupling] spot training at lr {lr:g}", file=sys.stderr, flush=True)
+            out["spot"]["after_each_step"][f"{lr:g}"] = spot_curve(policy, drafter, cfg, batches, answers, ids, lr)
     print(json.dumps(out))
     return 0
