@@ -126,8 +126,8 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
     """Held-out keyed agreement after spot training a copy of `drafter` on each batch of answers in
     turn, as a worker trains (module doc)."""
     import copy
-    import math
 
+    from ..cluster.spot import step_budget
     from ..learn.buffer import DrafterBuffer
     from ..learn.drafter_train import DrafterTrainer
 
@@ -138,7 +138,7 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
         buf = DrafterBuffer(max_tokens=10 ** 12)
         for toks, hid, plen in answers:
             buf.add(toks, hid, response_start=plen, step=step)
-        trainer.train(buf, max(1, math.ceil((dc.spot_max_epochs or 1) * buf.trainable_tokens / dc.batch_tokens)))
+        trainer.train(buf, max(1, step_budget(buf.trainable_tokens, dc.batch_tokens, dc.spot_max_epochs or 1)))
         curve.append(round(keyed_agreement(policy, trainer.drafter, held_out, ids, cfg.rollout.temperature), 4))
     return curve
 

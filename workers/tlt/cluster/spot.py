@@ -35,6 +35,14 @@ import torch
 from ..learn.drafter_train import average_state_dicts
 
 
+def step_budget(data_tokens: int, batch_tokens: int, max_epochs: float) -> float:
+    """Optimizer steps a step's spot training may take: max_epochs passes over data_tokens trainable
+    tokens at batch_tokens per step (inf: max_epochs 0, no cap)."""
+    if max_epochs <= 0 or batch_tokens <= 0:
+        return math.inf
+    return math.ceil(max_epochs * data_tokens / batch_tokens)
+
+
 @dataclass
 class _Round:
     version: int
@@ -76,9 +84,7 @@ class SpotRounds:
 
     def budget_left(self) -> bool:
         """Whether the step's epoch cap (module doc) leaves room for another round."""
-        if self.max_epochs <= 0 or self.batch_tokens <= 0:
-            return True
-        return self.sent_steps < math.ceil(self.max_epochs * self.data_tokens / self.batch_tokens)
+        return self.sent_steps < step_budget(self.data_tokens, self.batch_tokens, self.max_epochs)
 
     def done(self, worker: int, result: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
         """A member's answer: {"state": weights or None, "steps", "loss", "accuracy", "interval", "empty"}."""
