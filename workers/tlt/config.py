@@ -263,7 +263,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # head per training token would cost more than the rest of the drafter). Spot training goes on
         # at the warm-up's final rate, one pass over each step's new answers, in one-step updates of
         # 512 tokens that fit a CPU run's idle windows: at 3e-4 a few steps on one step's answers cut
-        # held-out agreement from 0.57 to 0.51, at 5e-5 to 0.56 (README "Spot training")
+        # held-out agreement from 0.57 to 0.51, at 5e-5 to 0.56 (README "Spot training's rate")
         "drafter": {"warmup_prompts": 2048, "warmup_steps": 1500, "warmup_max_new_tokens": 384, "train_vocab": 8192,
                     "lr": 5e-5, "batch_tokens": 512, "spot_update_steps": 1, "spot_max_epochs": 1.0},
         "grpo": {"lr": 1e-5, "micro_batch": 8, "micro_batch_tokens": 4096},
