@@ -50,3 +50,37 @@ def test_the_spot_curve_measures_a_trained_copy_and_leaves_the_warmed_drafter_al
     assert len(curve) == 3 and all(0.0 < a <= 1.0 for a in [start, *curve])
     assert curve[-1] > start + 0.05  # trained on the very answers it is scored on: it must fit them better
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+
+
+def test_chain_tokens_counts_the_emitted_token_and_the_accepted_drafts():
+    from workers.tlt.bench.coupling import chain_tokens
+
+    assert chain_tokens(1.0, 1.0, 6) == 7.0  # every draft accepted, plus the target's own token
+    assert chain_tokens(0.5, 0.0, 6) == 1.5
+    assert chain_tokens(0.6, 0.5, 3) == pytest.approx(1 + 0.6 * (1 + 0.5 + 0.25))
+
+
+def test_recipes_are_scored_on_answers_they_never_trained_on():
+    from workers.tlt.bench.coupling import recipe_scores
+    from workers.tlt.config import ModelSection, preset
+    from workers.tlt.learn.sft import build_tiny_model
+
+    target = build_tiny_model(ModelSection(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2),
+                              vocab_size=18, bos_id=1, eos_id=2, seed=1).eval()
+    answers = []
+    with torch.no_grad():
+        for i in range(24):  # periodic token streams: what follows depends on the last few tokens, learnably
+            period = 3 + i % 3
+            toks = torch.tensor([4 + (i + j) % period for j in range(20 + i % 5)])
+            answers.append((toks, target(toks[None]).hidden[0].to(torch.float16), 3))
+    base = preset("tiny-cpu").drafter.model_copy(update={"warmup_lr": 1e-2, "warmup_batch_tokens": 128,
+                                                         "train_vocab": 0})
+    recipes = {"untrained": base.model_copy(update={"warmup_steps": 0}),
+               "trained": base.model_copy(update={"warmup_steps": 80})}
+    got = recipe_scores(target, answers, recipes, holdout=6, ids_size=0, temperature=1.0, depth=4, eos_ids=[2])
+    assert set(got) == {"untrained", "trained"}
+    for r in got.values():
+        assert 0.0 < r["step1"] <= 1.0 and 0.0 < r["step2"] <= 1.0
+    assert got["trained"]["step1"] > got["untrained"]["step1"] + 0.05  # it generalises to the held-out answers
+    with pytest.raises(ValueError, match="holdout"):
+        recipe_scores(target, answers, recipes, holdout=24, ids_size=0, temperature=1.0, depth=4, eos_ids=[2])

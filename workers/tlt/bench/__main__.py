@@ -1,4 +1,4 @@
-"""`python -m workers.tlt.bench {e2e,rollout,learner,coupling}`: the CLI is cli.py."""
+"""`python -m workers.tlt.bench {e2e,rollout,learner,coupling,flips}`: the CLI is cli.py."""
 
 from .cli import main
 

@@ -6,7 +6,8 @@
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
     python -m workers.tlt.bench learner ...        # learner group: 1 vs 2 ranks, sync paths
     python -m workers.tlt.bench coupling [--set drafter.warmup_prompts=2048 ...]   # drafter/target
-                                                   # agreement by coupling rule
+                                                   # agreement by coupling rule; --recipes: warm-up recipes
+    python -m workers.tlt.bench flips ...          # keyed samples vs batch composition and SD (rounding)
 
 Each subcommand's LAST stdout line is one JSON object; e2e.py, rollout.py and learner.py say what
 they measure. Benchmarks measure; tests check correctness, never timings.
@@ -68,6 +69,14 @@ def add_coupling_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_coupling)
 
 
+def add_flips_parser(sub: argparse._SubParsersAction) -> None:
+    from .flips import add_arguments, cmd_flips
+
+    p = sub.add_parser("flips", help="keyed samples under another batch composition and under SD (rounding)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_flips)
+
+
 def add_set_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help=f"override a preset field {scope}(repeatable; YAML values), e.g. drafter.warmup_steps=800")
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     add_rollout_parser(sub)
     add_learner_parser(sub)
     add_coupling_parser(sub)
+    add_flips_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)

@@ -4,6 +4,8 @@ the headroom a better coupling would buy SD under sampling. The LAST stdout line
     python -m workers.tlt.bench coupling [--preset smollm2-mathmix-cpu] [--prompts 32] [--temperatures 0.7 1.0]
                                          [--set drafter.warmup_prompts=2048 ...]   # another recipe
                                          [--spot-lrs 3e-4 5e-5 [--spot-steps 6]]   # spot training's effect
+    python -m workers.tlt.bench coupling --recipes drafter.token_loss_weight=1.0 drafter.unroll=2 \
+                                         [--recipe-steps 400] [--holdout 96]       # warm-up recipes compared
 
 The preset's policy answers held-out prompts of its task (as the drafter warm-up does, same cap);
 at every response position the target's distribution p and the warmed-up drafter's q (the product's
@@ -25,6 +27,13 @@ and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Ca
 drafter trains on each in turn as a worker does (one AdamW kept across them, the preset's
 `batch_tokens`, `drafter.spot_max_epochs` passes, at least one), at each learning rate; `spot`
 holds the held-out keyed agreement at the preset's temperature after each batch ("before": none).
+
+`--recipes` compares warm-up recipes instead, cheaply: each (comma-separated `--set` overrides of
+the preset, beside the preset's own recipe) trains a fresh drafter for `--recipe-steps` on the
+cached warm-up answers but the last `--holdout`, which score it: keyed agreement at the preset's
+temperature at draft step 1 (the target's own state in) and step 2 (the drafter's predicted state
+in, as when drafting a chain; given step 1 agreed), and `chain_tokens`, the tokens a verify pass of
+a `depth`-deep chain would emit if every later position agreed as often as step 2.
 Benchmarks measure; tests check correctness, never timings.
 """
 
@@ -49,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spot-lrs", type=float, nargs="*", default=[],
                    help="also: held-out keyed agreement after spot training at these learning rates (module doc)")
     p.add_argument("--spot-steps", type=int, default=6, help="fresh batches of answers spot training goes through")
+    p.add_argument("--recipes", nargs="*", default=[], metavar="SECTION.FIELD=VALUE[,...]",
+                   help="instead: warm-up recipes compared with the preset's on held-out warm-up answers (module doc)")
+    p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe")
+    p.add_argument("--holdout", type=int, default=96, help="warm-up answers kept out of training to score recipes")
 
 
 def _intervals(p: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
@@ -86,9 +99,10 @@ def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) ->
             "greedy_draft": p.gather(1, q.argmax(1, keepdim=True))[:, 0], "p_max": p.max(1).values}
 
 
-def _logits(policy, drafter, answers, ids: Tensor | None):
-    """Per answer: the target's logits and the drafter's (over its draft vocabulary `ids`) at the
-    positions that predict response tokens."""
+def _logits(policy, drafter, answers, ids: Tensor | None, step: int = 1):
+    """Per answer: the target's logits and the drafter's (over its draft vocabulary `ids`) at draft
+    step `step` (steps > 1 read the drafter's own predicted states) at the positions that predict
+    response tokens."""
     from ..learn.drafter_train import unrolled_predictions
 
     head = policy.lm_head.weight.detach()
@@ -96,8 +110,8 @@ def _logits(policy, drafter, answers, ids: Tensor | None):
     with torch.no_grad():
         for toks, hid, plen in answers:
             h = hid.float()[None]
-            pred = unrolled_predictions(drafter, h, toks[None], 1)[0][0]  # [L-1, H] ~ h_{i+1}
-            rows = slice(max(plen - 1, 0), pred.shape[0])
+            pred = unrolled_predictions(drafter, h, toks[None], step)[step - 1][0]  # [L-1, H] ~ h_{i+1}
+            rows = slice(max(plen - 1, step - 1, 0), pred.shape[0])
             yield h[0, 1:][rows] @ head.T, pred[rows] @ (head if ids is None else head[ids]).T
 
 
@@ -111,10 +125,11 @@ def _distributions(logits_p: Tensor, logits_q: Tensor, ids: Tensor | None, tempe
     return p, (q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub))
 
 
-def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: float) -> float:
-    """The product's rule only (cheap): mean keyed inverse-CDF agreement over the answers' positions."""
+def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: float, step: int = 1) -> float:
+    """The product's rule only (cheap): mean keyed inverse-CDF agreement over the answers' positions
+    at draft step `step`."""
     total, n = 0.0, 0
-    for logits_p, logits_q in _logits(policy, drafter, answers, ids):
+    for logits_p, logits_q in _logits(policy, drafter, answers, ids, step):
         p, q = _distributions(logits_p, logits_q, ids, temperature)
         order = torch.arange(p.shape[1]).expand_as(p)
         total += float(inverse_cdf_agreement(p, q, order, order).sum())
@@ -143,6 +158,74 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
     return curve
 
 
+def chain_tokens(step1: float, step2: float, depth: int) -> float:
+    """Expected tokens per verify pass of a `depth`-deep chain: the emitted token plus the accepted
+    drafts, when position 1 agrees with probability step1 and each later one with step2."""
+    return 1.0 + step1 * sum(step2 ** k for k in range(depth))
+
+
+def recipe_scores(policy, answers, recipes: dict[str, Any], holdout: int, ids_size: int, temperature: float,
+                  depth: int, eos_ids, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Each recipe (name -> DrafterSection) trained on all answers but the last `holdout`, scored on
+    those (module doc); the draft vocabulary is the `ids_size` most frequent tokens of the training
+    answers (0: all)."""
+    from ..learn.drafter_warmup import fit_drafter
+    from ..rollout.speculative import draft_vocab_ids
+
+    if not 0 < holdout < len(answers):
+        raise ValueError(f"--holdout must leave answers on both sides (1..{len(answers) - 1}), not {holdout}")
+    train, held = answers[:-holdout], answers[-holdout:]
+    out = {}
+    for name, recipe in recipes.items():
+        print(f"[bench coupling] recipe {name}: {recipe.warmup_steps} steps on {len(train)} answers", file=sys.stderr,
+              flush=True)
+        drafter, info = fit_drafter(policy, train, recipe, eos_ids=eos_ids, seed=seed)
+        ids = draft_vocab_ids(drafter.token_counts, ids_size, eos_ids) if ids_size else None
+        a1, a2 = (keyed_agreement(policy, drafter, held, ids, temperature, step) for step in (1, 2))
+        out[name] = {"step1": round(a1, 4), "step2": round(a2, 4), "chain_tokens": round(chain_tokens(a1, a2, depth), 3),
+                     "train_s": info["train_s"]}
+    return out
+
+
+# what decides the answers every recipe shares, and the step count all of them train for
+FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "drafter.warmup_steps"}
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from ..config import preset
+    from ..learn.drafter_warmup import warmup_answers, weights_digest
+    from ..models.linear import cpu_name
+    from ..models.policies import prepare_policy_folder
+    from ..models.transformer import Transformer
+    from ..rollout.sampling import sampling_params
+    from ..trainer import make_run_task
+    from .e2e import parse_overrides
+    from .progress import PhaseProgress
+
+    cfg = preset(args.preset, parse_overrides(args.set))
+    folder = prepare_policy_folder(cfg)
+    policy = Transformer.from_pretrained(folder).eval()
+    task = make_run_task(cfg, folder)
+    answers = warmup_answers(policy, task, cfg.drafter, sampling=sampling_params(cfg.rollout),
+                             policy_key=weights_digest(folder), max_new_tokens=cfg.rollout.max_new_tokens,
+                             seed=cfg.run.seed, on_progress=PhaseProgress("[bench coupling] warm-up answers").warmup)
+    recipes = {"preset": cfg.drafter.model_copy(update={"warmup_steps": args.recipe_steps})}
+    for r in args.recipes:
+        fields = {f"{section}.{field}" for section, d in parse_overrides(r.split(",")).items() for field in d}
+        if bad := sorted(f for f in fields if not f.startswith("drafter.") or f in FIXED_IN_RECIPES):
+            raise SystemExit(f"--recipes {r!r}: {', '.join(bad)} cannot vary here: a recipe changes how the drafter "
+                             "trains on the same answers (drafter.* but the answers' fields; steps: --recipe-steps)")
+        recipes[r] = preset(args.preset, parse_overrides([*args.set, *r.split(",")])).drafter.model_copy(
+            update={"warmup_steps": args.recipe_steps})
+    depth = max(d for d, k, _ in cfg.spec.strategies if k == 1)
+    scores = recipe_scores(policy, answers, recipes, args.holdout, cfg.spec.draft_vocab, cfg.rollout.temperature,
+                           depth, sorted({task.eos_id, *policy.config.eos_ids}), cfg.run.seed)
+    print(json.dumps({"bench": "coupling", "mode": "recipes", "preset": args.preset, "overrides": args.set,
+                      "cpu": cpu_name(), "answers": len(answers), "holdout": args.holdout, "steps": args.recipe_steps,
+                      "temperature": cfg.rollout.temperature, "chain_depth": depth, "recipes": scores}))
+    return 0
+
+
 def cmd_coupling(args: argparse.Namespace) -> int:
     from ..config import preset
     from ..learn.drafter_warmup import generate_answers, warmup_drafter, weights_digest
@@ -155,6 +238,8 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     from .e2e import parse_overrides
     from .progress import PhaseProgress
 
+    if args.recipes:
+        return cmd_recipes(args)
     cfg = preset(args.preset, parse_overrides(args.set))
     folder = prepare_policy_folder(cfg)
     policy = Transformer.from_pretrained(folder).eval()

@@ -104,24 +104,16 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
                    retrain: bool = False, on_progress: Progress | None = None) -> tuple[Drafter, dict[str, Any]]:
     """Warm a drafter up to `policy` on its own answers (module doc); returns it and a summary.
     retrain: ignore a cached drafter (cached answers are still reused)."""
-    from ..models.policies import model_cache_dir
-
-    root = Path(cache_dir) if cache_dir is not None else model_cache_dir() / "drafters"
-    eos = sorted({task.eos_id, *policy.config.eos_ids})
-    cap = min(cfg.warmup_max_new_tokens, max_new_tokens)
-    data_spec = {"policy": policy_key, "task": getattr(task, "name", type(task).__name__),
-                 "task_options": {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool))},
-                 "prompts": cfg.warmup_prompts, "seed": seed, "max_new_tokens": cap,
-                 "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "dtype": str(policy.dtype),
-                 "gen_batch": GEN_BATCH}  # the batch decides each answer's sampling key
+    root = _cache_root(cache_dir)
+    data_spec = _data_spec(policy, task, cfg, sampling, policy_key, max_new_tokens, seed)
     train_spec = {**data_spec, "steps": cfg.warmup_steps, "lr": cfg.warmup_lr, "batch_tokens": cfg.warmup_batch_tokens,
                   "train_vocab": cfg.train_vocab, "hidden_w": cfg.hidden_loss_weight, "token_w": cfg.token_loss_weight,
                   "unroll": cfg.unroll, "recipe": RECIPE_VERSION}
     folder = root / f"drafter-{_key(train_spec)}"
-    drafter = Drafter.for_target(policy, seed=seed)
     if (folder / "info.json").exists() and not retrain:
         from safetensors.torch import load_file
 
+        drafter = Drafter.for_target(policy, seed=seed)
         drafter.load_state_dict({k: v.to(policy.device, policy.dtype if v.is_floating_point() else v.dtype)
                                  for k, v in load_file(str(folder / "drafter.safetensors")).items()})
         info = json.loads((folder / "info.json").read_text())
@@ -130,38 +122,11 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
         return drafter.eval(), {**info, "cached": True, "folder": str(folder)}
 
     t0 = time.perf_counter()
-    answers_file = root / f"answers-{_key(data_spec)}.pt"
-    if answers_file.exists():
-        answers = torch.load(answers_file)
-        log.info("drafter warm-up: %d cached answers from %s", len(answers), answers_file)
-    else:
-        log.info("drafter warm-up: the policy answers %d prompts (at most %d tokens each)", cfg.warmup_prompts, cap)
-        prompts = [p.ids for p in task.sample_prompts(cfg.warmup_prompts, random.Random(seed + 7))]
-        answers = generate_answers(policy, prompts, sampling, cap, eos, seed, on_progress)
-        root.mkdir(parents=True, exist_ok=True)
-        torch.save(answers, answers_file.with_suffix(".tmp"))
-        answers_file.with_suffix(".tmp").replace(answers_file)
+    answers = warmup_answers(policy, task, cfg, sampling=sampling, policy_key=policy_key,
+                             max_new_tokens=max_new_tokens, seed=seed, cache_dir=cache_dir, on_progress=on_progress)
     generate_s = time.perf_counter() - t0
-
-    V = policy.config.vocab_size
-    counts = torch.zeros(V, dtype=torch.float64)
-    buf = DrafterBuffer(max_tokens=10 ** 12)
-    for toks, hid, plen in answers:
-        counts += torch.bincount(toks[plen:], minlength=V).double()[:V]
-        buf.add(toks, hid, response_start=plen, step=0)
-    drafter.token_counts.copy_(counts.float())
-    vocab = draft_vocab_ids(counts, cfg.train_vocab, eos).to(policy.device) if 0 < cfg.train_vocab < V else None
-    n_resp = int(sum(len(t) - p for t, _, p in answers))
-    log.info("drafter warm-up: %d steps on %d answers (%d response tokens), generated in %.0f s", cfg.warmup_steps,
-             len(answers), n_resp, generate_s)
-
-    t1 = time.perf_counter()
-    for model in (policy, drafter):  # this CPU's fastest kernels for the training products (a no-op on GPUs)
-        tune(model)
-    steps, train_top1 = _train(drafter, buf, cfg, vocab, seed, on_progress)
-    info = {"steps": steps, "answers": len(answers), "response_tokens": n_resp, "train_top1": train_top1,
-            "generate_s": round(generate_s, 1), "train_s": round(time.perf_counter() - t1, 1),
-            "train_vocab": cfg.train_vocab}
+    drafter, info = fit_drafter(policy, answers, cfg, eos_ids=_eos(policy, task), seed=seed, on_progress=on_progress)
+    info = {**info, "generate_s": round(generate_s, 1)}
     from safetensors.torch import save_file
 
     tmp = folder.with_name(folder.name + ".tmp")
@@ -171,8 +136,71 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     log.info("drafter warm-up: done in %.0f s (top-1 %.3f on its last batches), cached in %s",
-             time.perf_counter() - t0, train_top1, folder)
-    return drafter.eval(), {**info, "cached": False, "folder": str(folder)}
+             time.perf_counter() - t0, info["train_top1"], folder)
+    return drafter, {**info, "cached": False, "folder": str(folder)}
+
+
+def warmup_answers(policy: Transformer, task, cfg: "DrafterSection", *, sampling: SamplingParams, policy_key: str,
+                   max_new_tokens: int, seed: int = 0, cache_dir: str | Path | None = None,
+                   on_progress: Progress | None = None) -> list[Answer]:
+    """The warm-up's training data: the policy's answers to `cfg.warmup_prompts` prompts (module doc),
+    cached; generated on the first call."""
+    root = _cache_root(cache_dir)
+    answers_file = root / f"answers-{_key(_data_spec(policy, task, cfg, sampling, policy_key, max_new_tokens, seed))}.pt"
+    if answers_file.exists():
+        answers = torch.load(answers_file)
+        log.info("drafter warm-up: %d cached answers from %s", len(answers), answers_file)
+        return answers
+    cap = min(cfg.warmup_max_new_tokens, max_new_tokens)
+    log.info("drafter warm-up: the policy answers %d prompts (at most %d tokens each)", cfg.warmup_prompts, cap)
+    prompts = [p.ids for p in task.sample_prompts(cfg.warmup_prompts, random.Random(seed + 7))]
+    answers = generate_answers(policy, prompts, sampling, cap, _eos(policy, task), seed, on_progress)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.save(answers, answers_file.with_suffix(".tmp"))
+    answers_file.with_suffix(".tmp").replace(answers_file)
+    return answers
+
+
+def fit_drafter(policy: Transformer, answers: Sequence[Answer], cfg: "DrafterSection", *, eos_ids: Sequence[int],
+                seed: int = 0, on_progress: Progress | None = None) -> tuple[Drafter, dict[str, Any]]:
+    """A fresh drafter trained by the recipe (module doc) on `answers`; returns it and a summary."""
+    V = policy.config.vocab_size
+    drafter = Drafter.for_target(policy, seed=seed)
+    counts = torch.zeros(V, dtype=torch.float64)
+    buf = DrafterBuffer(max_tokens=10 ** 12)
+    for toks, hid, plen in answers:
+        counts += torch.bincount(toks[plen:], minlength=V).double()[:V]
+        buf.add(toks, hid, response_start=plen, step=0)
+    drafter.token_counts.copy_(counts.float())
+    vocab = draft_vocab_ids(counts, cfg.train_vocab, eos_ids).to(policy.device) if 0 < cfg.train_vocab < V else None
+    n_resp = int(sum(len(t) - p for t, _, p in answers))
+    log.info("drafter warm-up: %d steps on %d answers (%d response tokens)", cfg.warmup_steps, len(answers), n_resp)
+    t1 = time.perf_counter()
+    for model in (policy, drafter):  # this CPU's fastest kernels for the training products (a no-op on GPUs)
+        tune(model)
+    steps, train_top1 = _train(drafter, buf, cfg, vocab, seed, on_progress)
+    return drafter.eval(), {"steps": steps, "answers": len(answers), "response_tokens": n_resp, "train_top1": train_top1,
+                            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": cfg.train_vocab}
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    from ..models.policies import model_cache_dir
+
+    return Path(cache_dir) if cache_dir is not None else model_cache_dir() / "drafters"
+
+
+def _eos(policy: Transformer, task) -> list[int]:
+    return sorted({task.eos_id, *policy.config.eos_ids})
+
+
+def _data_spec(policy: Transformer, task, cfg: "DrafterSection", sampling: SamplingParams, policy_key: str,
+               max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """What decides the warm-up answers: their cache key, and part of the trained drafter's."""
+    return {"policy": policy_key, "task": getattr(task, "name", type(task).__name__),
+            "task_options": {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool))},
+            "prompts": cfg.warmup_prompts, "seed": seed, "max_new_tokens": min(cfg.warmup_max_new_tokens, max_new_tokens),
+            "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "dtype": str(policy.dtype),
+            "gen_batch": GEN_BATCH}  # the batch decides each answer's sampling key
 
 
 def _train(drafter: Drafter, buf: DrafterBuffer, cfg: "DrafterSection", vocab: Tensor | None, seed: int,
