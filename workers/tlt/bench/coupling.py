@@ -33,7 +33,8 @@ the preset, beside the preset's own recipe) trains a fresh drafter for `--recipe
 cached warm-up answers but the last `--holdout`, which score it: keyed agreement at the preset's
 temperature at draft step 1 (the target's own state in) and step 2 (the drafter's predicted state
 in, as when drafting a chain; given step 1 agreed), and `chain_tokens`, the tokens a verify pass of
-a `depth`-deep chain would emit if every later position agreed as often as step 2.
+a `depth`-deep chain would emit if every later position agreed as often as step 2. `--recipes`
+with no recipe scores the preset's alone (at another `--recipe-steps`, say).
 Benchmarks measure; tests check correctness, never timings.
 """
 
@@ -58,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spot-lrs", type=float, nargs="*", default=[],
                    help="also: held-out keyed agreement after spot training at these learning rates (module doc)")
     p.add_argument("--spot-steps", type=int, default=6, help="fresh batches of answers spot training goes through")
-    p.add_argument("--recipes", nargs="*", default=[], metavar="SECTION.FIELD=VALUE[,...]",
-                   help="instead: warm-up recipes compared with the preset's on held-out warm-up answers (module doc)")
+    p.add_argument("--recipes", nargs="*", default=None, metavar="SECTION.FIELD=VALUE[,...]",
+                   help="instead: warm-up recipes compared with the preset's on held-out warm-up answers (module doc; "
+                        "none given: the preset's alone)")
     p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe")
     p.add_argument("--holdout", type=int, default=96, help="warm-up answers kept out of training to score recipes")
 
@@ -238,7 +240,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     from .e2e import parse_overrides
     from .progress import PhaseProgress
 
-    if args.recipes:
+    if args.recipes is not None:
         return cmd_recipes(args)
     cfg = preset(args.preset, parse_overrides(args.set))
     folder = prepare_policy_folder(cfg)
