@@ -3,6 +3,9 @@ bench, cached across runs like the SFT'd tiny model.
 
     drafter, info = warmup_drafter(policy, task, cfg.drafter, sampling=sampling_params(cfg.rollout),
                                    policy_key=weights_digest(policy_folder), seed=cfg.run.seed)
+    # its two halves (bench coupling --recipes trains other recipes on the same cached answers):
+    answers = warmup_answers(policy, task, cfg.drafter, sampling=..., policy_key=..., max_new_tokens=...)
+    drafter, info = fit_drafter(policy, answers, cfg.drafter, eos_ids=...)
 
 Data. The policy answers `drafter.warmup_prompts` training prompts of the run's task, sampled as
 the rollout samples (so the drafter learns the text RL will draw), each answer cut at
