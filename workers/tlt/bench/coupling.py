@@ -219,7 +219,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
                              "trains on the same answers (drafter.* but the answers' fields; steps: --recipe-steps)")
         recipes[r] = preset(args.preset, parse_overrides([*args.set, *r.split(",")])).drafter.model_copy(
             update={"warmup_steps": args.recipe_steps})
-    depth = max(d for d, k, _ in cfg.spec.strategies if k == 1)
+    depth = max((d for d, k, _ in cfg.spec.strategies if k == 1), default=max(d for d, _, _ in cfg.spec.strategies))
     scores = recipe_scores(policy, answers, recipes, args.holdout, cfg.spec.draft_vocab, cfg.rollout.temperature,
                            depth, sorted({task.eos_id, *policy.config.eos_ids}), cfg.run.seed)
     print(json.dumps({"bench": "coupling", "mode": "recipes", "preset": args.preset, "overrides": args.set,
