@@ -195,7 +195,7 @@ FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "
 
 def cmd_recipes(args: argparse.Namespace) -> int:
     from ..config import preset
-    from ..learn.drafter_warmup import warmup_answers, weights_digest
+    from ..learn.drafter_warmup import stop_ids, warmup_answers, weights_digest
     from ..models.linear import cpu_name
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
@@ -221,7 +221,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
             update={"warmup_steps": args.recipe_steps})
     depth = max((d for d, k, _ in cfg.spec.strategies if k == 1), default=max(d for d, _, _ in cfg.spec.strategies))
     scores = recipe_scores(policy, answers, recipes, args.holdout, cfg.spec.draft_vocab, cfg.rollout.temperature,
-                           depth, sorted({task.eos_id, *policy.config.eos_ids}), cfg.run.seed)
+                           depth, stop_ids(policy, task), cfg.run.seed)
     print(json.dumps({"bench": "coupling", "mode": "recipes", "preset": args.preset, "overrides": args.set,
                       "cpu": cpu_name(), "answers": len(answers), "holdout": args.holdout, "steps": args.recipe_steps,
                       "temperature": cfg.rollout.temperature, "chain_depth": depth, "recipes": scores}))
@@ -230,7 +230,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_coupling(args: argparse.Namespace) -> int:
     from ..config import preset
-    from ..learn.drafter_warmup import generate_answers, warmup_drafter, weights_digest
+    from ..learn.drafter_warmup import generate_answers, stop_ids, warmup_drafter, weights_digest
     from ..models.linear import cpu_name
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
@@ -252,7 +252,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     drafter, warm = warmup_drafter(policy, task, cfg.drafter, sampling=sampling, policy_key=weights_digest(folder),
                                    max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
                                    on_progress=progress.warmup)
-    eos = sorted({task.eos_id, *policy.config.eos_ids})
+    eos = stop_ids(policy, task)
     cap = min(cfg.drafter.warmup_max_new_tokens, cfg.rollout.max_new_tokens)
     prompts = [p.ids for p in task.sample_prompts(args.prompts, random.Random(cfg.run.seed + 99_991))]  # not the warm-up's
     print(f"[bench coupling] the policy answers {len(prompts)} held-out prompts", file=sys.stderr, flush=True)

@@ -44,6 +44,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def cmd_flips(args: argparse.Namespace) -> int:
     from ..config import preset
+    from ..learn.drafter_warmup import stop_ids
     from ..models.drafter import Drafter
     from ..models.linear import cpu_name
     from ..models.policies import prepare_policy_folder
@@ -62,7 +63,7 @@ def cmd_flips(args: argparse.Namespace) -> int:
     sampling = sampling_params(cfg.rollout)
     if sampling.greedy:
         raise SystemExit(f"preset {args.preset} decodes greedily: no keyed uniforms to compare")
-    eos = sorted({task.eos_id, *policy.config.eos_ids})
+    eos = stop_ids(policy, task)
     prompts = [p.ids for p in task.sample_prompts(2 * args.rows, random.Random(args.seed))]
     n = args.rows
 

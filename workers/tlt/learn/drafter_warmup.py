@@ -128,7 +128,7 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
     answers = warmup_answers(policy, task, cfg, sampling=sampling, policy_key=policy_key,
                              max_new_tokens=max_new_tokens, seed=seed, cache_dir=cache_dir, on_progress=on_progress)
     generate_s = time.perf_counter() - t0
-    drafter, info = fit_drafter(policy, answers, cfg, eos_ids=_eos(policy, task), seed=seed, on_progress=on_progress)
+    drafter, info = fit_drafter(policy, answers, cfg, eos_ids=stop_ids(policy, task), seed=seed, on_progress=on_progress)
     info = {**info, "generate_s": round(generate_s, 1)}
     from safetensors.torch import save_file
 
@@ -157,7 +157,7 @@ def warmup_answers(policy: Transformer, task, cfg: "DrafterSection", *, sampling
     cap = min(cfg.warmup_max_new_tokens, max_new_tokens)
     log.info("drafter warm-up: the policy answers %d prompts (at most %d tokens each)", cfg.warmup_prompts, cap)
     prompts = [p.ids for p in task.sample_prompts(cfg.warmup_prompts, random.Random(seed + 7))]
-    answers = generate_answers(policy, prompts, sampling, cap, _eos(policy, task), seed, on_progress)
+    answers = generate_answers(policy, prompts, sampling, cap, stop_ids(policy, task), seed, on_progress)
     root.mkdir(parents=True, exist_ok=True)
     torch.save(answers, answers_file.with_suffix(".tmp"))
     answers_file.with_suffix(".tmp").replace(answers_file)
@@ -192,7 +192,8 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else model_cache_dir() / "drafters"
 
 
-def _eos(policy: Transformer, task) -> list[int]:
+def stop_ids(policy: Transformer, task) -> list[int]:
+    """The token ids that end an answer: the task's EOS and the policy's own."""
     return sorted({task.eos_id, *policy.config.eos_ids})
 
 
