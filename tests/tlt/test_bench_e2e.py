@@ -3,6 +3,8 @@ three arms (baseline, TLT, TLT with a frozen drafter)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from workers.tlt.bench.e2e import _Eta, amdahl_bound, e2e, parse_overrides
@@ -40,6 +42,13 @@ def test_setup_progress_prints_each_phase_with_an_eta_and_leaves_the_steps_to_lo
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["[bench e2e] tlt setup: drafter_warmup 0/10 answers 0/4",
                      "[bench e2e] tlt setup: drafter_warmup 10/10 drafter ready"]
+
+
+def test_the_eta_leaves_out_the_one_off_drafter_warm_up(capsys):
+    # 100 s in, 90 of them an uncached warm-up the next arm will not pay again: 10 s per step, 3 to go
+    eta = _Eta("tlt", steps=4, total_steps=4, done_before=0, started=time.perf_counter() - 100.0, one_off_s=90.0)
+    eta.log(1, {"reward/mean": 0.5, "timing_s/step": 10.0}, {})
+    assert capsys.readouterr().err.rstrip().endswith("ETA 0.5 min")  # not 5.0: the warm-up is not a step's cost
 
 
 def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monkeypatch):
