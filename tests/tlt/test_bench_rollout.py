@@ -40,3 +40,12 @@ def test_rollout_bench_runs_end_to_end_and_sd_is_lossless(tmp_path, capsys):
     assert "drafter warm-up:" not in err  # cached: nothing to wait for
     assert rc == 0 and again["drafter_cached"] is True and again["greedy_identical"] is True
     assert again["engine_vs_hf_generate"] is None
+
+
+def test_a_bfloat16_bench_reports_the_mismatch_its_weights_bring(tmp_path, capsys):
+    """--dtype bfloat16: the drafter warms up on the bfloat16 policy (through float32 master weights),
+    and the JSON says how far bfloat16 scores the tail's tokens from float32."""
+    rc, res, _ = _run(capsys, tmp_path, "--rollout-prompts", "0", "--no-hf", "--dtype", "bfloat16")
+    assert rc == 0 and res["dtype"] == "bfloat16" and res["drafter_cached"] is False
+    # bfloat16 weights score the same tokens a little differently from float32 ones, never wildly
+    assert 0 < res["logprob_mismatch_vs_float32"] <= res["logprob_mismatch_vs_float32_max"] < 1.0

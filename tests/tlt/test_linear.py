@@ -68,6 +68,36 @@ def test_the_onednn_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
+amx_only = pytest.mark.skipif(not linear.amx_bf16(), reason="bfloat16 takes the tuned kernels on AMX CPUs only")
+
+
+@amx_only
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (49152, 576)])
+def test_in_bfloat16_a_row_gets_the_same_bits_beside_up_to_32_rows(shape):
+    """AMX bf16: a verify pass of up to BF16_INVARIANT_ROWS rows computes each row as a decode step
+    does (beyond that oneDNN changes its blocking and rounds some rows otherwise)."""
+    torch.manual_seed(0)
+    layer = Linear(shape[1], shape[0], bias=False).to(torch.bfloat16)
+    layer.kernel = "onednn"
+    rows = linear.BF16_INVARIANT_ROWS
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+        for n in (2, 3, 5, 8, 17, rows):
+            assert torch.equal(layer(x[:n]), alone[:n]), n
+        torch.testing.assert_close(alone, F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
+
+
+def test_bfloat16_without_amx_keeps_f_linear(monkeypatch):
+    monkeypatch.setattr(linear, "tuned_dtypes", lambda: (torch.float32,))
+    layer = Linear(64, 96).to(torch.bfloat16)
+    assert tune(layer) == {} and layer.kernel == "linear"
+    layer.kernel = "onednn"  # even when asked: the product is not one the few-row kernels take
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
 @pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
 @pytest.mark.parametrize("bias", [False, True])
 def test_training_through_onednn_gives_f_linears_output_and_gradients(bias):
@@ -191,11 +221,27 @@ def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_
     assert [m.bulk_kernel for m in again] == [m.bulk_kernel for m in model]
 
 
+@pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
+def test_tuning_chooses_only_kernels_that_give_a_row_the_same_bits_beside_others(monkeypatch):
+    """A verify pass must round a draft token's logits as the decode step would: a kernel whose
+    result for a row depends on the rows beside it is never chosen, however fast."""
+    real = Linear.run
+
+    def row_dependent(self, x, kernel):  # F.linear plus "rounding" that depends on the row count
+        y = real(self, x, kernel)
+        return y + (x.shape[0] - 1) * 1e-6 if kernel == "linear" else y
+
+    monkeypatch.setattr(Linear, "run", row_dependent)
+    layer = Linear(256, 512)
+    assert not linear.row_invariant(layer, "linear") and linear.row_invariant(layer, "onednn")
+    assert set(tune(_model()).values()) == {"onednn"}
+
+
 def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):
-    monkeypatch.setenv("TLT_KERNEL", "gemm2")
+    monkeypatch.setenv("TLT_KERNEL", "onednn")
     model = _model()
     tune(model)
-    assert {m.kernel for m in model} == {"gemm2"}
+    assert {m.kernel for m in model} == {"onednn"}
     monkeypatch.setenv("TLT_KERNEL", "fastest")
     with pytest.raises(ValueError, match="TLT_KERNEL"):
         tune(_model())

@@ -52,7 +52,13 @@ class ModelSection(_Section):
         "hf: a local Hugging Face folder (config.json, safetensors, tokenizer.json).",
     )
     path: str = Field("", description="Folder of the checkpoint when source is hf.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/activations dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Rollout dtype: the policy and drafter the workers decode with (the drafter trains "
+        "through float32 master weights). The learner keeps float32 weights and syncs them cast. On a CPU "
+        "with AMX, bfloat16 decodes through packed AMX kernels (faster, but there greedy SD is not yet "
+        "token-identical to plain decoding: README); elsewhere on CPUs float32 is faster.",
+    )
     # tiny model shape (ignored for pretrained sources)
     hidden_size: int = Field(128, ge=16, le=4096, description="tiny: width of the residual stream.")
     num_layers: int = Field(4, ge=1, le=64, description="tiny: decoder layers.")

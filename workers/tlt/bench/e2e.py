@@ -20,6 +20,7 @@ step-time ratio is TLT's own effect. It reports
     profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), every arm
     setup_s / wall_s     one-off costs outside the steps (policy, drafter warm-up, actors); whole runs
     cpu, loadavg_*       the machine: figures from a shared machine are only as good as its load
+    dtype                the rollout's dtype (model.dtype; bfloat16 takes AMX kernels where the CPU has them)
 
 The baseline is the strong one: the same engine and batching (finished rows leave the batch),
 SD and spot training off. Step means skip the first step (one-off warm-up costs). Progress, with
@@ -178,6 +179,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "cpu": cpu_name(),
         "cpu_flags": cpu_flags(),
         "cpus": os.cpu_count(),
+        "dtype": base.model.dtype,  # the rollout's
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "e2e_speedup": e2e_speedup,

@@ -27,8 +27,11 @@ by reading ~540 MB of weights. PyTorch's default kernels (MKL sgemv for one row,
 a few) read them at ~11 GB/s; models/linear.py routes them to faster kernels, so a batch-1 decode step
 takes ~25-31 ms (was ~58) and verifying 7 tokens ~1.5 decode steps. The reduced draft
 vocabulary (--draft-vocab 4096) cuts each draft step's head from ~10 ms to well under 1 ms.
-bfloat16/float16 weights are slower here for T > 1 (no native bf16 matmul), so float32 is the
-default. Under CPU contention the multi-threaded matmuls slow down badly; measure on a quiet machine.
+bfloat16/float16 weights are slower there for T > 1 (no native bf16 matmul), so float32 is the
+default. Where the CPU has AMX, --dtype bfloat16 takes packed AMX kernels (models/linear.py: a 16-row
+verify pass costs about one decode step; the drafter trains through float32 master weights) and
+transformers' generate() runs in bfloat16 too. Under CPU contention the multi-threaded matmuls slow
+down badly; measure on a quiet machine.
 Needs only torch, transformers, safetensors, tokenizers and this package (no Ray, Django, vLLM).
 """
 
@@ -230,6 +233,23 @@ def tail_batch1(model, drafter, prompts, args, eos) -> dict[str, Any]:
     }
 
 
+def logprob_mismatch(measured, reference, seqs) -> dict[str, float]:
+    """|log p| differences of the emitted tokens between the measured policy (e.g. bfloat16 rollout
+    weights) and the float32 one a learner scores them with, teacher-forced over the tail's answers:
+    what a bfloat16 rollout adds to the rollout-vs-learner mismatch (grpo: rollout/logprob_mismatch)."""
+    import torch
+
+    deltas = []
+    with torch.inference_mode():
+        for toks, _, plen in seqs:
+            x = torch.tensor(toks, device=reference.device)[None]
+            lps = [torch.log_softmax(m(x).logits[0, plen - 1:-1].float(), -1).gather(-1, x[0, plen:, None])[:, 0]
+                   for m in (measured, reference)]
+            deltas.append((lps[0] - lps[1]).abs())
+    d = torch.cat(deltas)
+    return {"logprob_mismatch_vs_float32": float(d.mean()), "logprob_mismatch_vs_float32_max": float(d.max())}
+
+
 def hf_generate(folder: Path, prompts, args, eos, ours: list[list[int]]) -> dict[str, Any]:
     """transformers' generate() on the same weights and prompts (greedy, batch 1, same max_new_tokens)."""
     import torch
@@ -289,6 +309,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acceptance_length                              tokens per verify pass (accepted drafts + 1), batch 1
     engine_vs_hf_generate                          our engine without SD / transformers generate(), tokens/s
                                                    (wall clock with prefill, batch 1, same prompts)
+    logprob_mismatch_vs_float32[_max]              --dtype other than float32 on a CPU: mean (max) |delta log p|
+                                                   of the tail's tokens, --dtype policy vs the float32 one
     greedy_identical                               SD and plain outputs equal token for token (batch 1)
     drafter_*                                      training summary, held-out top-1, draft-vocab coverage
     rollout_*                                      the whole long-tail rollout (with --rollout-prompts > 0)
@@ -322,7 +344,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from ..rollout.engine import SpecPolicy
 
         head = SpecPolicy(draft_vocab=args.draft_vocab).draft_head(drafter, model.config.vocab_size, eos).ids
-    top1 = heldout_top1(drafter, tail.pop("_seqs"), head)
+    seqs = tail.pop("_seqs")
+    top1 = heldout_top1(drafter, seqs, head)
+    if args.dtype != "float32":
+        from ..models.transformer import Transformer
+
+        tail.update(logprob_mismatch(model, Transformer.from_pretrained(folder, device=args.device), seqs))
     outs = tail.pop("_outs")
     wall_no, tot = tail.pop("_wall_no"), tail.pop("_tot")
     result: dict[str, Any] = {"bench": "rollout", "model": args.model, "device": args.device, "dtype": args.dtype,

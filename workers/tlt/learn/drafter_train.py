@@ -132,7 +132,13 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, tok
 
 
 class DrafterTrainer:
-    """AdamW on the drafter's trainable weights (fc.*, layers.0.*), preemptible between micro-batches."""
+    """AdamW on the drafter's trainable weights (fc.*, layers.0.*), preemptible between micro-batches.
+
+    A bfloat16 (or float16) drafter, as a CPU with AMX drafts with, keeps float32 master weights here:
+    forward and backward run in the drafter's dtype, AdamW steps the float32 copies, and the drafter
+    gets them rounded back. In the drafter's own dtype AdamW's small updates would round to nothing
+    (bfloat16 has 8 significant bits). Weights loaded into the drafter from outside (a merged
+    drafter, a checkpoint) become the masters at the next step."""
 
     def __init__(self, drafter: Drafter, cfg: DrafterSection | None = None, accum: int = 1,
                  grad_clip: float = 1.0, weight_decay: float = 0.0, seed: int = 0):
@@ -145,7 +151,10 @@ class DrafterTrainer:
         self.accum = max(1, accum)
         self.grad_clip = grad_clip
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+        self._mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.masters = [p.detach().float() for p in self.params] if self._mixed else self.params
+        self._master_of: list[int] = [p._version for p in self.params]  # drafter versions the masters hold
+        self.opt = torch.optim.AdamW(self.masters, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=weight_decay)
         self.steps_done = 0
         self.last_metrics: dict[str, float] = {}
         self.rng = random.Random(seed)
@@ -170,16 +179,39 @@ class DrafterTrainer:
         return self._vocab_cache[1]
 
     def _apply(self) -> None:
+        if self._mixed:
+            self._grads_to_masters()
         if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self._mixed:
+            self._masters_to_drafter()
+        self._zero_grad()
         self.steps_done += 1
+
+    def _zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        for p in self.params:  # the drafter's own (bfloat16) gradients, where masters take the steps
+            p.grad = None
+
+    @torch.no_grad()
+    def _grads_to_masters(self) -> None:
+        """Gradients to the float32 masters; a weight changed from outside since our last step first."""
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
+            if p._version != self._master_of[i]:
+                m.copy_(p)
+            m.grad = None if p.grad is None else p.grad.float()
+
+    @torch.no_grad()
+    def _masters_to_drafter(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+        self._master_of = [p._version for p in self.params]
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on one batch; returns {loss, accuracy, hidden_loss, token_loss, tokens}."""
         self.drafter.train()
-        self.opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         loss, metrics = self._loss(batch)
         loss.backward()
         self._apply()
@@ -196,14 +228,14 @@ class DrafterTrainer:
         if max_steps <= 0 or buffer.trainable_tokens == 0:
             return 0
         self.drafter.train()
-        self.opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         ran = 0
         micro = 0
         acc: list[dict[str, float]] = []
         while ran < max_steps:
             for batch in buffer.batches(self.cfg.batch_tokens, self.rng):
                 if should_stop():
-                    self.opt.zero_grad(set_to_none=True)  # a half-accumulated step is discarded
+                    self._zero_grad()  # a half-accumulated step is discarded
                     return ran
                 loss, metrics = self._loss(batch)
                 (loss / self.accum).backward()

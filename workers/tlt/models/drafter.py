@@ -72,7 +72,7 @@ class Drafter(nn.Module):
         with torch.no_grad():
             emb = self.target.model.embed_tokens(next_tokens)
         x = self.fc(torch.cat([emb.to(hidden.dtype), hidden], dim=-1))
-        return self.layers[0](x, rope_tables(self.config, positions), 0, cache, write_pos, mask)
+        return self.layers[0](x, rope_tables(self.config, positions, x.dtype), 0, cache, write_pos, mask)
 
     def logits(self, h: Tensor) -> Tensor:
         # the drafter's output goes straight to the target's LM head, no extra norm (vLLM EAGLE layout)

@@ -4,23 +4,33 @@ on the machine at hand.
 A decode step multiplies ONE row per sequence by every weight matrix, and a speculative verify
 pass multiplies a handful (the draft tokens). On a CPU both are bound by reading the weights, and
 which kernel reads them fastest depends on the CPU: on 2 AVX2 EPYC cores a pre-packed oneDNN
-weight (and, for one row, `W @ [x; x]^T`) ran a SmolLM2 decode step ~1.9x faster than PyTorch's
-default MKL sgemv; on an AVX-512 Xeon the same choice ran 2x SLOWER than the default. So nothing
-is assumed: `tune(model)` times each candidate on the model's own layers (grouped by weight
-shape, each group streamed whole, as a decode step streams it) for 1..64 rows, keeps the fastest
-per group, and caches the choice on disk per CPU model, torch version and thread count
-(`kernel_cache_path()`); rollout.generate() tunes the models it decodes with on first use.
+weight ran a SmolLM2 decode step ~1.9x faster than PyTorch's default MKL sgemv; on an AVX-512
+Xeon the same choice ran slower than the default. So nothing is assumed: `tune(model)` times each
+candidate on the model's own layers (grouped by weight shape, each group streamed whole, as a
+decode step streams it) for 1..64 rows, keeps the fastest per group, and caches the choice on
+disk per CPU model, torch version and thread count (`kernel_cache_path()`); rollout.generate()
+tunes the models it decodes with on first use.
 
-Candidates (every one equals F.linear up to float rounding; other dtypes and GPUs always take
-F.linear; products of more than MAX_FEW_ROWS rows and autograd take the bulk kernel below):
+Only a ROW-INVARIANT kernel may be chosen: one that gives a row the same bits whatever rows come
+with it (up to MAX_FEW_ROWS rows in float32, BF16_INVARIANT_ROWS in bfloat16), checked on each
+group at tuning. A verify pass must compute a draft token's logits exactly as the decode step
+would have, or a near-tie rounds the other way and SD emits a token plain decoding would not
+(greedy SD is lossless token for token only so, and only if attention is invariant too, which
+PyTorch's CPU attention is not yet: README "Rollout"). PyTorch's own sgemv/sgemm fails this on an
+AVX-512 Xeon (a row beside others rounds differently from the row alone) and passes elsewhere;
+packed oneDNN passes everywhere we measured.
+
+float32 products are routed so everywhere; bfloat16 ones where the CPU has AMX (`amx_bf16()`):
+there a packed bf16 weight makes a 16-row verify pass cost what one row costs (SmolLM2's layers
+on 2 Xeon cores: 14.5 ms for 1 row, 15.3 for 16; float32's oneDNN 24 and 38 ms). Other dtypes, bfloat16
+without AMX, and GPUs always take F.linear.
+
+Candidates (both equal F.linear up to float rounding; products of more than MAX_FEW_ROWS rows and
+autograd take the bulk kernel below):
 
     linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
     onednn   oneDNN with the weight packed once; a single row is computed as two (the row
-             repeated), which takes oneDNN's many-row path: so a row's result is bit-identical
-             whatever the number of rows beside it (decode at any batch, verify of any draft),
-             tested in tests/tlt/test_linear.py
-    gemm2    one row as W @ [x; x]^T (a sgemm with N = 2 streams W faster than sgemv on some
-             CPUs); more rows through oneDNN. Rounds one row differently from several.
+             repeated), which takes oneDNN's many-row path, the one several rows take
 
 Compute-bound products are a separate choice, `Linear.bulk_kernel`: PyTorch's linear, or oneDNN.
 It takes every autograd product (the product and both gradient products, `_OneDNNLinear`; weights
@@ -34,11 +44,12 @@ forward + backward of 4 x 1024 tokens ran 1.3-1.6x faster, and the learner's ste
 The packed copy is made on first use and made again when the weight changes: a new tensor, or an
 in-place update (load_state_dict, optimizer steps) that bumps the tensor's version counter.
 Writes through `.data` bypass that counter and would leave the packed copy stale, so none are made
-in this package. Set TLT_KERNEL=linear|onednn|gemm2 to force one kernel everywhere (no tuning).
+in this package. Set TLT_KERNEL=linear|onednn to force one kernel everywhere (no tuning, no check).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -58,12 +69,13 @@ from .policies import REPO_ROOT
 log = logging.getLogger(__name__)
 
 MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more rows are compute-bound
-KERNELS = ("linear", "onednn", "gemm2")
+KERNELS = ("linear", "onednn")
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
 BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+BF16_INVARIANT_ROWS = 32  # AMX bf16: a row's bits are the same beside up to this many rows (test_linear)
 
 
 class Linear(nn.Linear):
@@ -88,7 +100,7 @@ class Linear(nn.Linear):
         return self.run(x, self.kernel)
 
     def run(self, x: Tensor, kernel: str) -> Tensor:
-        """x @ W^T + b through `kernel` for few-row CPU float32 inference, else through bulk_kernel
+        """x @ W^T + b through `kernel` for few-row CPU inference (_cpu_inference), else through bulk_kernel
         (autograd, or more than MAX_FEW_ROWS rows); F.linear wherever neither applies."""
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
@@ -98,17 +110,12 @@ class Linear(nn.Linear):
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:  # prefill, many-row decode: compute-bound, like a training product
             kernel = self.bulk_kernel
-        if kernel == "linear" or not rows or not _cpu_float32_inference(x, w):
+        if kernel == "linear" or not rows or not _cpu_inference(x, w):
             return F.linear(x, w, self.bias)
         if not _ONEDNN or w.is_inference():  # the packed copy is keyed by the version counter,
             return F.linear(x, w, self.bias)  # which inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
-        if rows == 1 and kernel == "gemm2":
-            # [x; x] as the transposed view of a contiguous [2, in] block: the layout sgemm streams fast
-            y = torch.mm(w, torch.cat([x2, x2]).t())[:, :1].t()
-            if self.bias is not None:
-                y = y + self.bias
-        elif rows == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
+        if rows == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
             y = _onednn(torch.cat([x2, x2]), self._packed_weight(), self.bias)[:1]
         else:
             y = _onednn(x2, self._packed_weight(), self.bias)
@@ -157,16 +164,27 @@ def _autograd(x: Tensor, w: Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
-def _cpu_float32(x: Tensor, w: Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-
-
 def _cpu_float32_training(x: Tensor, w: Tensor) -> bool:
-    return _cpu_float32(x, w) and _autograd(x, w)
+    return x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and _autograd(x, w)
 
 
-def _cpu_float32_inference(x: Tensor, w: Tensor) -> bool:
-    return _cpu_float32(x, w) and not _autograd(x, w)  # autograd takes _OneDNNLinear or F.linear
+def _cpu_inference(x: Tensor, w: Tensor) -> bool:
+    """A product the few-row kernels take: float32, or bfloat16 where the CPU multiplies it in AMX."""
+    return (x.device.type == "cpu" and x.dtype == w.dtype and x.dtype in tuned_dtypes()
+            and not _autograd(x, w))  # autograd takes _OneDNNLinear or F.linear
+
+
+@functools.cache
+def tuned_dtypes() -> tuple[torch.dtype, ...]:
+    """The CPU dtypes whose products the kernels here take: float32, and bfloat16 on AMX (amx_bf16)."""
+    return (torch.float32, torch.bfloat16) if amx_bf16() else (torch.float32,)
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """The CPU multiplies bfloat16 in AMX tiles (module doc). Without AMX bfloat16 stays on F.linear:
+    no measured gain there."""
+    return _ONEDNN and "amx_bf16" in cpu_flags() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # --- tuning ---------------------------------------------------------------------------------------
@@ -201,11 +219,12 @@ def kernel_cache_path() -> Path:
     return Path(os.environ.get("TLT_KERNEL_CACHE") or default)
 
 
-def _cache_key(shape: tuple[int, int], count: int) -> str:
+def _cache_key(shape: tuple[int, int], count: int, dtype: torch.dtype) -> str:
     # the model name alone is ambiguous ("AMD EPYC" on both an AVX2 and an AVX-512 part): add the flags
     flags = hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:8]
+    # "row-invariant": choices made before only such kernels were allowed are not reused
     return (f"{cpu_name()} [{flags}]|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-            f"{shape[0]}x{shape[1]}x{count}")
+            f"{shape[0]}x{shape[1]}x{count}|{str(dtype).removeprefix('torch.')}|row-invariant")
 
 
 def _read_cache() -> dict[str, str]:
@@ -242,16 +261,18 @@ def _best_times(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, f
 
 def _time_group(layers: list[Linear], kernels: tuple[str, ...], rows: int, reps: int) -> dict[str, float]:
     """A `rows`-row input through every layer of the group, per kernel (_best_times)."""
-    x = torch.randn(rows, layers[0].in_features)
+    x = torch.randn(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
     return _best_times({k: lambda k=k: [layer.run(x, k) for layer in layers] for k in kernels}, reps)
 
 
 def _time_bulk(layer: Linear, reps: int) -> dict[str, float]:
     """A BULK_ROWS-row product by the layer's weight, per bulk kernel (_best_times; forward only:
-    the gradient products are products of the same kind and size)."""
-    x = torch.randn(BULK_ROWS, layer.in_features)
+    the gradient products are products of the same kind and size). float32's oneDNN packs at each
+    call, as training does; bfloat16 only serves inference, from the layer's packed copy."""
     w = layer.weight.detach()
-    return _best_times({"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, _pack(w))}, reps)
+    x = torch.randn(BULK_ROWS, layer.in_features, dtype=w.dtype)
+    packed = (lambda: _pack(w)) if w.dtype == torch.float32 else layer._packed_weight
+    return _best_times({"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, packed())}, reps)
 
 
 def chosen_kernels(model: nn.Module) -> dict[str, str]:
@@ -263,21 +284,43 @@ def chosen_kernels(model: nn.Module) -> dict[str, str]:
     return {f"{o}x{i}x{len(g)}": ",".join(sorted({m.kernel for m in g})) for (o, i), g in groups.items()}
 
 
-def _candidates() -> tuple[str, ...]:
-    return KERNELS if _ONEDNN else ("linear",)
+def invariant_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows a few-row kernel must give a row the same bits (module doc)."""
+    return MAX_FEW_ROWS if dtype == torch.float32 else BF16_INVARIANT_ROWS
+
+
+@torch.no_grad()
+def row_invariant(layer: Linear, kernel: str) -> bool:
+    """Does `kernel` compute each of invariant_rows() rows as it computes that row alone?"""
+    w = layer.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(invariant_rows(w.dtype), layer.in_features, generator=gen).to(w.dtype)
+    alone = torch.cat([layer.run(x[i:i + 1], kernel) for i in range(x.shape[0])])
+    return all(torch.equal(layer.run(x[:n], kernel), alone[:n]) for n in (2, 5, x.shape[0]))
+
+
+def _candidates(group: list[Linear]) -> tuple[str, ...]:
+    """The row-invariant kernels for this group (all of them, with a warning, if none is)."""
+    if not _ONEDNN:
+        return ("linear",)
+    ok = tuple(k for k in KERNELS if row_invariant(group[0], k))
+    if not ok:
+        log.warning("no row-invariant kernel for %s on this CPU: greedy SD may differ from plain decoding "
+                    "on near-ties", tuple(group[0].weight.shape))
+    return ok or KERNELS
 
 
 @torch.inference_mode(False)
 def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
     """Choose each Linear's kernel for this machine; returns {"<out>x<in>x<count>": kernel}.
 
-    Layers are grouped by weight shape; a group's candidates are timed over the whole group (its
-    weights stream from memory as in a decode step) at 1..64 rows, each row count's time
-    normalised by its best candidate; the lowest total wins unless an earlier candidate in KERNELS
-    is within 3% of it (timing noise must not pick a kernel). The bulk kernel (`bulk_kernel`)
-    is chosen the same way on one BULK_ROWS-row product per group. Cached on disk; a no-op for
-    models already tuned, on GPUs, for other dtypes and under TLT_KERNEL (which leaves bulk
-    products on PyTorch's linear).
+    Layers are grouped by weight shape and dtype; a group's row-invariant candidates (module doc)
+    are timed over the whole group (its weights stream from memory as in a decode step) at 1..64
+    rows, each row count's time normalised by its best candidate; the lowest total wins unless an
+    earlier candidate in KERNELS is within 3% of it (timing noise must not pick a kernel). The
+    bulk kernel (`bulk_kernel`) is chosen the same way on one BULK_ROWS-row product per group.
+    Cached on disk; a no-op for models already tuned, on GPUs, for dtypes not in tuned_dtypes()
+    and under TLT_KERNEL (which leaves bulk products on PyTorch's linear).
     """
     layers = [m for m in model.modules() if isinstance(m, Linear) and not m.weight.is_meta]
     if not layers or getattr(model, "_tlt_tuned", False):
@@ -290,21 +333,24 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
             layer.kernel = forced
         model._tlt_tuned = True
         return {"*": forced}
-    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    groups: dict[tuple[tuple[int, int], torch.dtype], list[Linear]] = defaultdict(list)
     for layer in layers:
-        if layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32 and not layer.weight.is_inference():
-            groups[tuple(layer.weight.shape)].append(layer)
+        w = layer.weight
+        if w.device.type == "cpu" and w.dtype in tuned_dtypes() and not w.is_inference():
+            groups[tuple(w.shape), w.dtype].append(layer)
     cached, chosen, fresh = _read_cache(), {}, {}
     t0 = time.perf_counter()
     with torch.no_grad():
-        for shape, group in groups.items():
-            key = _cache_key(shape, len(group))
+        for (shape, dtype), group in groups.items():
+            key = _cache_key(shape, len(group), dtype)
             kernel = cached.get(key)
-            if kernel not in _candidates():
-                per_rows = [_time_group(group, _candidates(), r, reps) for r in TUNE_ROWS]
-                score = {k: sum(t[k] / min(t.values()) for t in per_rows) for k in _candidates()}
+            if kernel not in KERNELS and len(candidates := _candidates(group)) == 1:
+                kernel = fresh[key] = candidates[0]
+            elif kernel not in KERNELS:
+                per_rows = [_time_group(group, candidates, r, reps) for r in TUNE_ROWS]
+                score = {k: sum(t[k] / min(t.values()) for t in per_rows) for k in candidates}
                 low = min(score.values())
-                kernel = next(k for k in _candidates() if score[k] <= low * 1.03)
+                kernel = next(k for k in candidates if score[k] <= low * 1.03)
                 fresh[key] = kernel
             bulk = cached.get(key + "|bulk")
             if bulk not in BULK_KERNELS:
@@ -320,6 +366,6 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
         _write_cache(fresh)
         log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s; bulk: %s", time.perf_counter() - t0,
                  cpu_name(), torch.get_num_threads(), chosen,
-                 {f"{o}x{i}": g[0].bulk_kernel for (o, i), g in groups.items()})
+                 {f"{o}x{i}": g[0].bulk_kernel for ((o, i), _), g in groups.items()})
     model._tlt_tuned = True
     return chosen

@@ -168,19 +168,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin: [B, T, hd] for absolute positions [B, T] (HF's rotate-half layout)."""
+def rope_tables(cfg: ModelConfig, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos, sin: [B, T, hd] for absolute positions [B, T] (HF's rotate-half layout), computed in
+    float32 and cast to the activations' dtype, as HF's Llama does (in bfloat16 the rotation then
+    needs no conversion in each of the layers)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=positions.device).float() / cfg.head_dim))
     freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [B, T, h, hd]; cos/sin: [B, T, hd]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos[:, :, None] + rotated * sin[:, :, None]).to(x.dtype)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
 class Attention(nn.Module):
@@ -283,8 +285,8 @@ class Transformer(nn.Module):
         to the cache entries its mask row allows; the caller advances `cache.lengths`.
         """
         positions, write_pos, mask = step_layout(tokens, positions, cache, write_pos, mask)
-        rope = rope_tables(self.config, positions)
         x = self.model.embed_tokens(tokens)
+        rope = rope_tables(self.config, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, i, cache, write_pos, mask)
         hidden = self.model.norm(x)
