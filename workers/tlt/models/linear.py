@@ -17,13 +17,13 @@ group at tuning. A verify pass must compute a draft token's logits exactly as th
 would have, or a near-tie rounds the other way and SD emits a token plain decoding would not
 (greedy SD is lossless token for token only so, and only if attention is invariant too, which
 PyTorch's CPU attention is not yet: README "Rollout"). PyTorch's own sgemv/sgemm fails this on an
-AVX-512 Xeon (a row beside others rounds differently from the row alone) and passes elsewhere;
-packed oneDNN passes everywhere we measured.
+AVX-512 Xeon (a row beside others rounds differently from the row alone); packed oneDNN passed on
+every CPU we measured.
 
 float32 products are routed so everywhere; bfloat16 ones where the CPU has AMX (`amx_bf16()`):
 there a packed bf16 weight makes a 16-row verify pass cost what one row costs (SmolLM2's layers
-on 2 Xeon cores: 14.5 ms for 1 row, 15.3 for 16; float32's oneDNN 24 and 38 ms). Other dtypes, bfloat16
-without AMX, and GPUs always take F.linear.
+on 2 Xeon cores: 14.5 ms for 1 row, 15.3 for 16; float32's oneDNN 24 and 38 ms). Other dtypes,
+bfloat16 without AMX, and GPUs always take F.linear.
 
 Candidates (both equal F.linear up to float rounding; products of more than MAX_FEW_ROWS rows and
 autograd take the bulk kernel below):
