@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acceptance_length                              tokens per verify pass (accepted drafts + 1), batch 1
     engine_vs_hf_generate                          our engine without SD / transformers generate(), tokens/s
                                                    (wall clock with prefill, batch 1, same prompts)
-    logprob_mismatch_vs_float32[_max]              --dtype other than float32 on a CPU: mean (max) |delta log p|
+    logprob_mismatch_vs_float32[_max]              --dtype other than float32: mean (max) |delta log p|
                                                    of the tail's tokens, --dtype policy vs the float32 one
     greedy_identical                               SD and plain outputs equal token for token (batch 1)
     drafter_*                                      training summary, held-out top-1, draft-vocab coverage
