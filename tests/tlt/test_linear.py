@@ -68,27 +68,52 @@ def test_the_onednn_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
-amx_only = pytest.mark.skipif(not linear.amx_bf16(), reason="bfloat16 takes the tuned kernels on AMX CPUs only")
+onednn_bf16_only = pytest.mark.skipif(not linear.onednn_bf16(),
+                                      reason="bfloat16 takes the tuned kernels where oneDNN multiplies it natively")
 
 
-@amx_only
+@onednn_bf16_only
 @pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (49152, 576)])
 def test_in_bfloat16_a_row_gets_the_same_bits_beside_up_to_32_rows(shape):
-    """AMX bf16: a verify pass of up to BF16_INVARIANT_ROWS rows computes each row as a decode step
-    does (beyond that oneDNN changes its blocking and rounds some rows otherwise)."""
+    """oneDNN bf16 (AVX-512 BF16, AMX): a verify pass of up to BF16_INVARIANT_ROWS rows computes each
+    row as a decode step does (beyond that oneDNN on AMX changes its blocking and rounds some rows
+    otherwise). Four batches: in bfloat16 a difference shows only where it crosses a rounding step."""
     torch.manual_seed(0)
     layer = Linear(shape[1], shape[0], bias=False).to(torch.bfloat16)
     layer.kernel = "onednn"
     rows = linear.BF16_INVARIANT_ROWS
-    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    for _ in range(4):
+        x = torch.randn(rows, shape[1]).mul(3).to(torch.bfloat16)
+        with torch.inference_mode():
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+            for n in (2, 3, 5, 8, 17, rows):
+                assert torch.equal(layer(x[:n]), alone[:n]), n
+            torch.testing.assert_close(alone, F.linear(x, layer.weight), rtol=1.6e-2, atol=3e-2)
+
+
+@onednn_bf16_only
+def test_a_bfloat16_verify_pass_beyond_the_invariant_rows_runs_in_chunks_that_are(monkeypatch):
+    """A few-row product larger than invariant_rows() (AMX: 32) is split into products of at most that
+    many rows, so each row still gets its decode-step bits; larger (bulk) products are not split."""
+    monkeypatch.setattr(linear, "BF16_INVARIANT_ROWS", 4)
+    calls = []
+    real = linear._onednn
+    monkeypatch.setattr(linear, "_onednn", lambda x2, *a: calls.append(x2.shape[0]) or real(x2, *a))
+    torch.manual_seed(0)
+    layer = Linear(576, 576, bias=True).to(torch.bfloat16)
+    layer.kernel = layer.bulk_kernel = "onednn"
+    x = torch.randn(9, 576, dtype=torch.bfloat16)
     with torch.inference_mode():
-        alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
-        for n in (2, 3, 5, 8, 17, rows):
-            assert torch.equal(layer(x[:n]), alone[:n]), n
-        torch.testing.assert_close(alone, F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(9)])
+        calls.clear()
+        assert torch.equal(layer(x), alone)
+        assert calls == [4, 4, 2]  # the lone ninth row runs doubled, as a decode step's does
+        calls.clear()
+        layer(torch.randn(MAX_FEW_ROWS + 1, 576, dtype=torch.bfloat16))
+        assert calls == [MAX_FEW_ROWS + 1]
 
 
-def test_bfloat16_without_amx_keeps_f_linear(monkeypatch):
+def test_bfloat16_without_onednn_support_keeps_f_linear(monkeypatch):
     monkeypatch.setattr(linear, "tuned_dtypes", lambda: (torch.float32,))
     layer = Linear(64, 96).to(torch.bfloat16)
     assert tune(layer) == {} and layer.kernel == "linear"

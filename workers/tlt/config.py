@@ -56,8 +56,9 @@ class ModelSection(_Section):
         "float32",
         description="Rollout dtype: the policy and drafter the workers decode with (the drafter trains "
         "through float32 master weights). The learner keeps float32 weights and syncs them cast. On a CPU "
-        "with AMX, bfloat16 decodes through packed AMX kernels (faster, but there greedy SD is not yet "
-        "token-identical to plain decoding: README); elsewhere on CPUs float32 is faster.",
+        "where oneDNN multiplies bfloat16 (AVX-512 BF16 or AMX), bfloat16 decodes through packed oneDNN "
+        "kernels and a row-invariant attention, so greedy SD is token-identical to plain decoding by "
+        "construction; the rollout's log-probs then differ from the float32 learner's (README).",
     )
     # tiny model shape (ignored for pretrained sources)
     hidden_size: int = Field(128, ge=16, le=4096, description="tiny: width of the residual stream.")

@@ -20,7 +20,7 @@ step-time ratio is TLT's own effect. It reports
     profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), every arm
     setup_s / wall_s     one-off costs outside the steps (policy, drafter warm-up, actors); whole runs
     cpu, loadavg_*       the machine: figures from a shared machine are only as good as its load
-    dtype                the rollout's dtype (model.dtype; bfloat16 takes AMX kernels where the CPU has them)
+    dtype                the rollout's dtype (model.dtype; bfloat16 takes oneDNN kernels where the CPU has them)
 
 The baseline is the strong one: the same engine and batching (finished rows leave the batch),
 SD and spot training off. Step means skip the first step (one-off warm-up costs). Progress, with

@@ -28,9 +28,10 @@ a few) read them at ~11 GB/s; models/linear.py routes them to faster kernels, so
 takes ~25-31 ms (was ~58) and verifying 7 tokens ~1.5 decode steps. The reduced draft
 vocabulary (--draft-vocab 4096) cuts each draft step's head from ~10 ms to well under 1 ms.
 bfloat16/float16 weights are slower there for T > 1 (no native bf16 matmul), so float32 is the
-default. Where the CPU has AMX, --dtype bfloat16 takes packed AMX kernels (models/linear.py: a 16-row
-verify pass costs about one decode step; the drafter trains through float32 master weights) and
-transformers' generate() runs in bfloat16 too. Under CPU contention the multi-threaded matmuls slow
+default. Where oneDNN multiplies bfloat16 (AVX-512 BF16 or AMX), --dtype bfloat16 takes packed oneDNN
+kernels and a row-invariant attention (models/linear.py, transformer.cached_attention: on AMX a
+16-row verify pass costs about one decode step; greedy SD is token-identical by construction; the
+drafter trains through float32 master weights) and transformers' generate() runs in bfloat16 too. Under CPU contention the multi-threaded matmuls slow
 down badly; measure on a quiet machine.
 Needs only torch, transformers, safetensors, tokenizers and this package (no Ray, Django, vLLM).
 """

@@ -134,7 +134,7 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, tok
 class DrafterTrainer:
     """AdamW on the drafter's trainable weights (fc.*, layers.0.*), preemptible between micro-batches.
 
-    A bfloat16 (or float16) drafter, as a CPU with AMX drafts with, keeps float32 master weights here:
+    A bfloat16 (or float16) drafter, as a bfloat16 rollout drafts with, keeps float32 master weights here:
     forward and backward run in the drafter's dtype, AdamW steps the float32 copies, and the drafter
     gets them rounded back. In the drafter's own dtype AdamW's small updates would round to nothing
     (bfloat16 has 8 significant bits). Weights loaded into the drafter from outside (a merged

@@ -15,15 +15,18 @@ Only a ROW-INVARIANT kernel may be chosen: one that gives a row the same bits wh
 with it (up to MAX_FEW_ROWS rows in float32, BF16_INVARIANT_ROWS in bfloat16), checked on each
 group at tuning. A verify pass must compute a draft token's logits exactly as the decode step
 would have, or a near-tie rounds the other way and SD emits a token plain decoding would not
-(greedy SD is lossless token for token only so, and only if attention is invariant too, which
-PyTorch's CPU attention is not yet: README "Rollout"). PyTorch's own sgemv/sgemm fails this on an
-AVX-512 Xeon (a row beside others rounds differently from the row alone); packed oneDNN passed on
-every CPU we measured.
+(greedy SD is lossless token for token only so, and only if attention is invariant too:
+transformer.cached_attention, in bfloat16). PyTorch's own sgemv/sgemm fails this on an AVX-512 Xeon
+(a row beside others rounds differently from the row alone); packed oneDNN passed on every CPU we
+measured.
 
-float32 products are routed so everywhere; bfloat16 ones where the CPU has AMX (`amx_bf16()`):
-there a packed bf16 weight makes a 16-row verify pass cost what one row costs (SmolLM2's layers
-on 2 Xeon cores: 14.5 ms for 1 row, 15.3 for 16; float32's oneDNN 24 and 38 ms). Other dtypes,
-bfloat16 without AMX, and GPUs always take F.linear.
+float32 products are routed so everywhere; bfloat16 ones where oneDNN multiplies bfloat16 on this
+CPU (`onednn_bf16()`: AVX-512 BF16 or AMX). On AMX a packed bf16 weight makes a 16-row verify pass
+cost what one row costs (SmolLM2's layers on 2 Xeon cores: 14.5 ms for 1 row, 15.3 for 16;
+float32's oneDNN 24 and 38 ms). Everywhere it is also what makes bfloat16 lossless: PyTorch's bf16
+F.linear rounds about 2 outputs in 10,000 of a row beside others differently from the row alone
+(AVX-512 EPYC), packed oneDNN none in 600,000. Other dtypes, bfloat16 on older CPUs, and GPUs
+always take F.linear.
 
 Candidates (both equal F.linear up to float rounding; products of more than MAX_FEW_ROWS rows and
 autograd take the bulk kernel below):
@@ -75,7 +78,8 @@ BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_k
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-BF16_INVARIANT_ROWS = 32  # AMX bf16: a row's bits are the same beside up to this many rows (test_linear)
+BF16_INVARIANT_ROWS = 32  # AMX bf16: a row's bits are the same beside up to this many rows (test_linear),
+# so larger few-row bf16 products (a tail of 4 rows verifying 9 tokens each) run in chunks of this size
 
 
 class Linear(nn.Linear):
@@ -115,11 +119,17 @@ class Linear(nn.Linear):
         if not _ONEDNN or w.is_inference():  # the packed copy is keyed by the version counter,
             return F.linear(x, w, self.bias)  # which inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
-        if rows == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
-            y = _onednn(torch.cat([x2, x2]), self._packed_weight(), self.bias)[:1]
-        else:
+        if rows > MAX_FEW_ROWS:
             y = _onednn(x2, self._packed_weight(), self.bias)
+        else:  # a decode step or verify pass: products no larger than those checked row-invariant
+            parts = x2.split(invariant_rows(x.dtype))
+            y = self._few_rows(parts[0]) if len(parts) == 1 else torch.cat([self._few_rows(p) for p in parts])
         return y.reshape(*x.shape[:-1], -1)
+
+    def _few_rows(self, x2: Tensor) -> Tensor:
+        if x2.shape[0] == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
+            return _onednn(torch.cat([x2, x2]), self._packed_weight(), self.bias)[:1]
+        return _onednn(x2, self._packed_weight(), self.bias)
 
     def _packed_weight(self) -> Tensor:
         w = self.weight
@@ -176,15 +186,16 @@ def _cpu_inference(x: Tensor, w: Tensor) -> bool:
 
 @functools.cache
 def tuned_dtypes() -> tuple[torch.dtype, ...]:
-    """The CPU dtypes whose products the kernels here take: float32, and bfloat16 on AMX (amx_bf16)."""
-    return (torch.float32, torch.bfloat16) if amx_bf16() else (torch.float32,)
+    """The CPU dtypes whose products the kernels here take: float32, and bfloat16 where oneDNN
+    multiplies it (onednn_bf16)."""
+    return (torch.float32, torch.bfloat16) if onednn_bf16() else (torch.float32,)
 
 
 @functools.cache
-def amx_bf16() -> bool:
-    """The CPU multiplies bfloat16 in AMX tiles (module doc). Without AMX bfloat16 stays on F.linear:
-    no measured gain there."""
-    return _ONEDNN and "amx_bf16" in cpu_flags() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def onednn_bf16() -> bool:
+    """oneDNN multiplies bfloat16 natively on this CPU (AVX-512 BF16 or AMX; module doc). Elsewhere
+    bfloat16 stays on F.linear, which is neither fast nor row-invariant there."""
+    return _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # --- tuning ---------------------------------------------------------------------------------------
@@ -294,9 +305,14 @@ def row_invariant(layer: Linear, kernel: str) -> bool:
     """Does `kernel` compute each of invariant_rows() rows as it computes that row alone?"""
     w = layer.weight
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(invariant_rows(w.dtype), layer.in_features, generator=gen).to(w.dtype)
-    alone = torch.cat([layer.run(x[i:i + 1], kernel) for i in range(x.shape[0])])
-    return all(torch.equal(layer.run(x[:n], kernel), alone[:n]) for n in (2, 5, x.shape[0]))
+    # a float32 difference shows in every output; in bfloat16 it shows only where it crosses a
+    # rounding boundary (~2 outputs in 10,000 for F.linear), so bfloat16 is checked on more rows
+    for _ in range(1 if w.dtype == torch.float32 else 4):
+        x = torch.randn(invariant_rows(w.dtype), layer.in_features, generator=gen).mul(3).to(w.dtype)
+        alone = torch.cat([layer.run(x[i:i + 1], kernel) for i in range(x.shape[0])])
+        if not all(torch.equal(layer.run(x[:n], kernel), alone[:n]) for n in (2, 5, x.shape[0])):
+            return False
+    return True
 
 
 def _candidates(group: list[Linear]) -> tuple[str, ...]:

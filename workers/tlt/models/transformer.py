@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import Linear
+from .linear import Linear, onednn_bf16
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -185,6 +185,90 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
+SPLIT_EVERY = 32  # a query's keys split into a head and a tail at a multiple of this many keys ...
+MAX_DEPTH = 32  # ... at least this many keys before the query: the deepest draft token still bit-identical
+
+
+class KeyLayout(NamedTuple):
+    """The cached keys each query attends to, split as cached_attention computes them (its doc).
+
+    mask [B, T, S]: True = may attend. A query's visible keys, in slot order, are its sequence in
+    order (prefix slots, then its ancestors in a tree pass, written before their descendants); the
+    k-th is at sequence position k. head [B, T, S]: its visible keys before its split point, the
+    largest multiple of SPLIT_EVERY at most MAX_DEPTH keys before the query itself (so for any
+    draft token up to MAX_DEPTH deep, these are cache slots 0.. in order, as in a decode step).
+    tail [B, T, SPLIT_EVERY + MAX_DEPTH]: the slots of the rest, in order; tail_ok marks the real
+    ones (the others are padding)."""
+
+    mask: Tensor
+    head: Tensor
+    tail: Tensor
+    tail_ok: Tensor
+
+    @classmethod
+    def of(cls, mask: Tensor) -> "KeyLayout":
+        S, width = mask.shape[-1], SPLIT_EVERY + MAX_DEPTH
+        rank = mask.cumsum(-1) - 1  # a visible key's position in its query's sequence
+        query = mask.sum(-1, keepdim=True) - 1  # the query's own position
+        split = (query - MAX_DEPTH).clamp(min=0) // SPLIT_EVERY * SPLIT_EVERY
+        slots = torch.arange(S, device=mask.device).expand_as(mask)
+        tail = torch.where(mask & (rank >= split), slots, S).sort(-1).values[..., :width]
+        tail = F.pad(tail, (0, width - tail.shape[-1]), value=S)  # short caches: pad to the fixed width
+        return cls(mask, mask & (rank < split), tail.clamp(max=S - 1), tail < S)
+
+
+def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | KeyLayout) -> Tensor:
+    """Attention of new queries q [B, h, T, hd] over cache keys/values [B, kv, S, hd] (GQA: kv divides
+    h), mask [B, T, S] (True = may attend; or its KeyLayout, built once per forward) -> [B, h, T, hd].
+
+    Where `invariant_attention(q)` holds, a query gets the same bits whatever else is in the pass:
+    alone (a decode step) or beside the other draft tokens of a verify pass, and whatever masked
+    slots surround its keys (other rows' longer prefixes, tree siblings between its ancestors). Greedy
+    SD is then token-identical to plain decoding by construction, not only where no near-tie falls.
+    PyTorch's CPU SDPA is not: it blocks queries and keys by the pass's shape, and bfloat16's 8-bit
+    logits turned that into flipped tokens (README "Rollout"). Here both products run in oneDNN,
+    whose results do not depend on how many query rows share a product, and where trailing zero
+    weights change nothing; the softmax's row maximum is exact in any order and its normaliser is the
+    output product's own (a column of ones beside the values). Zeros *between* a query's keys (tree
+    siblings) would shift the pairing in which bfloat16 kernels accumulate, so the weighted sum is
+    split (KeyLayout): the head, cache slots 0.. in place, followed only by zeros; the tail, at most
+    SPLIT_EVERY + MAX_DEPTH keys gathered into sequence order, in a product of fixed width. A decode
+    step splits the same sequence at the same point. The numerics are those of HF's eager bfloat16
+    attention (products in bfloat16, softmax in float32).
+    """
+    if not invariant_attention(q):
+        m = mask.mask if isinstance(mask, KeyLayout) else mask
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=m[:, None], enable_gqa=True)
+    keyed = mask if isinstance(mask, KeyLayout) else KeyLayout.of(mask)
+    B, h, T, hd = q.shape
+    kv, S, W = keys.shape[1], keys.shape[2], keyed.tail.shape[-1]
+    g = h // kv  # query heads per key head: their rows share one product with that head's keys
+    q = q.view(B, kv, g, T, hd).transpose(2, 3).reshape(B, kv, T * g, hd)  # rows (token, head)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * hd ** -0.5  # [B, kv, T * g, S]
+    scores = scores.view(B, kv, T, g, S).masked_fill(~keyed.mask[:, None, :, None], float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(q.dtype)  # [B, kv, T, g, S]
+    # values with a column of ones (the normaliser), as rows [B * S, kv, hd + 1] for the tail's gather
+    rows = torch.cat([values.transpose(1, 2), values.new_ones(B, S, kv, 1)], dim=-1)
+    head = torch.matmul(weights.masked_fill(~keyed.head[:, None, :, None], 0).view(B, kv, T * g, S),
+                        rows.transpose(1, 2))  # [B, kv, T * g, hd + 1]
+    tail_w = weights.gather(-1, keyed.tail[:, None, :, None].expand(B, kv, T, g, W))
+    tail_w = tail_w.masked_fill(~keyed.tail_ok[:, None, :, None], 0)  # [B, kv, T, g, W]
+    slots = (keyed.tail + S * torch.arange(B, device=q.device)[:, None, None]).view(-1)
+    tail_v = rows.view(B * S, kv, hd + 1).index_select(0, slots).view(B, T, W, kv, hd + 1)
+    tail = torch.matmul(tail_w, tail_v.permute(0, 3, 1, 2, 4))  # [B, kv, T, g, hd + 1]
+    out = head.view(B, kv, T, g, hd + 1).float() + tail.float()
+    out = (out[..., :hd] / out[..., hd:]).to(q.dtype)  # [B, kv, T, g, hd]
+    return out.permute(0, 1, 3, 2, 4).reshape(B, h, T, hd)
+
+
+def invariant_attention(q: Tensor) -> bool:
+    """cached_attention computes a query as it would alone (its doc): bfloat16 on CPUs where oneDNN
+    multiplies it (linear.onednn_bf16), which is where torch.matmul sends it. float32 matmul runs in
+    MKL, whose products round a row differently beside others, so float32 keeps SDPA (logits differ
+    from a decode step's by ~1e-6; no flipped token measured)."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and onednn_bf16()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -196,7 +280,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(nh * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], layer: int, cache: KVCache | None,
-                write_pos: Tensor | None, mask: Tensor | None) -> Tensor:
+                write_pos: Tensor | None, mask: Tensor | KeyLayout | None) -> Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         q = _apply_rope(self.q_proj(x).view(B, T, -1, hd), *rope)
@@ -208,11 +292,10 @@ class Attention(nn.Module):
                                                  is_causal=True, enable_gqa=True)
         else:
             cache.write(layer, write_pos, k, v)
-            S = mask.shape[-1]  # only the filled prefix of the cache is attended to
+            S = (mask.mask if isinstance(mask, KeyLayout) else mask).shape[-1]  # the filled prefix only
             keys = cache.k[layer][:, :S].transpose(1, 2)
             values = cache.v[layer][:, :S].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
-                                                 enable_gqa=True)
+            out = cached_attention(q.transpose(1, 2), keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -286,6 +369,8 @@ class Transformer(nn.Module):
         """
         positions, write_pos, mask = step_layout(tokens, positions, cache, write_pos, mask)
         x = self.model.embed_tokens(tokens)
+        if cache is not None and invariant_attention(x):
+            mask = KeyLayout.of(mask)  # the same for every layer
         rope = rope_tables(self.config, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, i, cache, write_pos, mask)

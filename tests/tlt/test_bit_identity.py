@@ -1,0 +1,111 @@
+"""A verify pass computes each token with exactly the bits of the decode step it stands in for.
+
+Greedy SD is token-identical to plain decoding by construction only if a token's logits do not
+depend on what else is in the pass: the other draft tokens (a chain or a tree), masked slots between
+its keys (tree siblings), the other rows of the batch (longer prefixes widen everyone's key range).
+That holds where every product is row-invariant (models/linear.py) and so is attention
+(transformer.cached_attention): bfloat16 on CPUs where oneDNN multiplies it. Real layer shapes
+(SmolLM2's, 2 of its 30 layers) and the machine's own thread count, as a rollout runs them.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.tlt.models import linear
+from workers.tlt.models.transformer import ModelConfig, Transformer, cached_attention, causal_mask, init_weights
+from workers.tlt.rollout.speculative import Tree, ancestors, tree_mask
+
+pytestmark = pytest.mark.skipif(not linear.onednn_bf16(), reason="needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
+
+P, N = 40, 6  # prompt length, tokens decoded
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3)
+    m = Transformer(cfg)
+    init_weights(m, 0.05)
+    m = m.to(torch.bfloat16).eval()
+    linear.tune(m)
+    return m
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(model, prompt: torch.Tensor, max_len: int = 192):
+    cache = model.new_cache(1, max_len)
+    model(prompt, torch.arange(prompt.shape[1])[None], cache)
+    cache.lengths += prompt.shape[1]
+    return cache
+
+
+@torch.inference_mode()
+def _decode_steps(model, prompt, toks) -> torch.Tensor:
+    """[N, V] logits of toks fed one per step after the prompt (plain decoding)."""
+    cache, out = _prefilled(model, prompt), []
+    for i in range(toks.shape[1]):
+        out.append(model(toks[:, i:i + 1], cache.lengths[:, None], cache).logits[0, 0])
+        cache.lengths += 1
+    return torch.stack(out)
+
+
+@torch.inference_mode()
+def test_a_chain_verify_pass_gives_each_token_the_decode_steps_bits(model):
+    prompt, toks = _tokens(P, 1), _tokens(N, 2)
+    cache = _prefilled(model, prompt)
+    verify = model(toks, (P + torch.arange(N))[None], cache).logits[0]
+    assert torch.equal(verify, _decode_steps(model, prompt, toks))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("prompt_len", [P, 3 * P + 7])  # the longer one splits its keys (KeyLayout)
+def test_a_tree_verify_pass_gives_each_path_the_decode_steps_bits(model, prompt_len):
+    """The path's nodes sit between rejected alternatives: 0 to 5 siblings before each, so the masked
+    slots between a node's ancestors come in odd and even runs, as in a real draft tree."""
+    prompt, toks, others = _tokens(prompt_len, 3), _tokens(N, 4), _tokens(16, 5)
+    tokens, parent, depth, path = [], [], [], []
+    for i, siblings in enumerate((2, 0, 1, 5, 3, 1)):
+        up = path[-1] if path else -1
+        for j in range(siblings if i else 0):  # alternatives to the path's i-th token, under the same parent
+            tokens.append(int(others[0, (i + j) % 16])), parent.append(up), depth.append(i)
+        path.append(len(tokens))
+        tokens.append(int(toks[0, i])), parent.append(up), depth.append(i)
+    T = len(tokens)
+    tree = Tree(torch.tensor([tokens]), torch.tensor([parent]), torch.tensor([depth]),
+                torch.ones(1, T, dtype=torch.bool), N, False)
+    cache = _prefilled(model, prompt)
+    got = model(tree.tokens, prompt_len + tree.depth, cache, write_pos=prompt_len + torch.arange(T)[None],
+                mask=tree_mask(cache.lengths, ancestors(tree), prompt_len + T)).logits[0, path]
+    assert torch.equal(got, _decode_steps(model, prompt, toks))
+
+
+@torch.inference_mode()
+def test_a_row_gets_the_same_bits_beside_rows_with_longer_prefixes(model):
+    prompt, toks, long = _tokens(P, 6), _tokens(N, 7), _tokens(P + 23, 8)
+    cache = model.new_cache(2, 192)
+    for row, p in enumerate((prompt, long)):  # prefill each row on its own (lengths differ)
+        alone = _prefilled(model, p)
+        for layer in range(len(cache.k)):
+            cache.k[layer][row], cache.v[layer][row] = alone.k[layer][0], alone.v[layer][0]
+        cache.lengths[row] = p.shape[1]
+    both = torch.cat([toks, _tokens(N, 9)])
+    pos = cache.lengths[:, None] + torch.arange(N)
+    got = model(both, pos, cache, mask=causal_mask(cache.lengths, N, int(cache.lengths.max()) + N)).logits[0]
+    assert torch.equal(got, _decode_steps(model, prompt, toks))
+
+
+@torch.inference_mode()
+def test_cached_attention_is_attention():
+    """The invariant formulation computes what SDPA computes, to bfloat16's rounding."""
+    g = torch.Generator().manual_seed(0)
+    B, T, S = 3, 5, 70
+    q, k, v = (torch.randn(B, h, n, 64, generator=g).to(torch.bfloat16) for h, n in ((9, T), (3, S), (3, S)))
+    mask = torch.rand(B, T, S, generator=g) < 0.7
+    mask[..., 0] = True  # every query sees at least one key
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None], enable_gqa=True)
+    torch.testing.assert_close(cached_attention(q, k, v, mask).float(), ref, rtol=2e-2, atol=2e-2)
