@@ -31,8 +31,8 @@ bfloat16/float16 weights are slower there for T > 1 (no native bf16 matmul), so 
 default. Where oneDNN multiplies bfloat16 (AVX-512 BF16 or AMX), --dtype bfloat16 takes packed oneDNN
 kernels and a row-invariant attention (models/linear.py, transformer.cached_attention: on AMX a
 16-row verify pass costs about one decode step; greedy SD is token-identical by construction; the
-drafter trains through float32 master weights) and transformers' generate() runs in bfloat16 too. Under CPU contention the multi-threaded matmuls slow
-down badly; measure on a quiet machine.
+drafter trains through float32 master weights) and transformers' generate() runs in bfloat16 too.
+Under CPU contention the multi-threaded matmuls slow down badly; measure on a quiet machine.
 Needs only torch, transformers, safetensors, tokenizers and this package (no Ray, Django, vLLM).
 """
 

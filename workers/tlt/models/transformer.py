@@ -195,8 +195,8 @@ class KeyLayout(NamedTuple):
     mask [B, T, S]: True = may attend. A query's visible keys, in slot order, are its sequence in
     order (prefix slots, then its ancestors in a tree pass, written before their descendants); the
     k-th is at sequence position k. head [B, T, S]: its visible keys before its split point, the
-    largest multiple of SPLIT_EVERY at most MAX_DEPTH keys before the query itself (so for any
-    draft token up to MAX_DEPTH deep, these are cache slots 0.. in order, as in a decode step).
+    largest multiple of SPLIT_EVERY that lies at least MAX_DEPTH keys before the query itself (so
+    for a draft token up to MAX_DEPTH deep these are cache slots 0.., as in its decode step).
     tail [B, T, SPLIT_EVERY + MAX_DEPTH]: the slots of the rest, in order; tail_ok marks the real
     ones (the others are padding)."""
 
@@ -229,11 +229,13 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     logits turned that into flipped tokens (README "Rollout"). Here both products run in oneDNN,
     whose results do not depend on how many query rows share a product, and where trailing zero
     weights change nothing; the softmax's row maximum is exact in any order and its normaliser is the
-    output product's own (a column of ones beside the values). Zeros *between* a query's keys (tree
-    siblings) would shift the pairing in which bfloat16 kernels accumulate, so the weighted sum is
-    split (KeyLayout): the head, cache slots 0.. in place, followed only by zeros; the tail, at most
-    SPLIT_EVERY + MAX_DEPTH keys gathered into sequence order, in a product of fixed width. A decode
-    step splits the same sequence at the same point. The numerics are those of HF's eager bfloat16
+    output product's own (a column of ones beside the values). But one product over all keys is not
+    enough: how oneDNN blocks the keys it sums depends on the product's key count, and in a tree
+    pass a query's last keys sit between masked siblings, in other blocks than in its decode step (a
+    real SmolLM2 draft tree got other bits so: test_smollm2). So the weighted sum is split
+    (KeyLayout): the head, cache slots 0.. in place up to a fixed multiple of SPLIT_EVERY and only
+    zeros after; the tail, the at most SPLIT_EVERY + MAX_DEPTH keys after it gathered into sequence
+    order, in a product of fixed width. A decode step splits the same sequence at the same point. The numerics are those of HF's eager bfloat16
     attention (products in bfloat16, softmax in float32).
     """
     if not invariant_attention(q):
