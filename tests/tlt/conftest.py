@@ -21,3 +21,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_shaped():
+    """Build a policy with SmolLM2-135M's layer shapes (2 of its 30 layers, a 4096-token vocabulary)
+    and random weights, in a dtype: real kernel shapes at a test's cost."""
+    from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
+
+    def build(dtype: torch.dtype = torch.float32) -> Transformer:
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                          num_attention_heads=9, num_key_value_heads=3)
+        model = Transformer(cfg)
+        init_weights(model, 0.05)
+        return model.to(dtype).eval()
+
+    return build

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.tlt.models import linear
-from workers.tlt.models.transformer import ModelConfig, Transformer, cached_attention, causal_mask, init_weights
+from workers.tlt.models.transformer import cached_attention, causal_mask
 from workers.tlt.rollout.speculative import Tree, ancestors, tree_mask
 
 pytestmark = pytest.mark.skipif(not linear.onednn_bf16(), reason="needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
@@ -22,13 +22,8 @@ P, N = 40, 6  # prompt length, tokens decoded
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3)
-    m = Transformer(cfg)
-    init_weights(m, 0.05)
-    m = m.to(torch.bfloat16).eval()
+def model(smollm2_shaped):
+    m = smollm2_shaped(torch.bfloat16)
     linear.tune(m)
     return m
 

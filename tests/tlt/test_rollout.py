@@ -262,19 +262,14 @@ def test_a_shared_bandit_keeps_learning_across_rollouts(model, drafters):
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def real_size(request):
+def real_size(request, smollm2_shaped):
     """SmolLM2's layer shapes (2 of its 30 layers, a 4096-token vocabulary) on the packed oneDNN
     kernels every real model decodes with: decode steps (one row per sequence) and verify passes
     (several rows) must agree on those kernels too, not only on tiny layers. In bfloat16 too, where
     oneDNN multiplies it (its 8-bit logits make near-ties common: test_bit_identity)."""
     if request.param == torch.bfloat16 and not linear.onednn_bf16():
         pytest.skip("needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3)
-    model = Transformer(cfg)
-    init_weights(model, 0.05)
-    model = model.to(request.param).eval()
+    model = smollm2_shaped(request.param)
     drafter = Drafter.for_target(model, seed=1)
     for m in (model, drafter):
         for layer in m.modules():
