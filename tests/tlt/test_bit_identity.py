@@ -19,6 +19,7 @@ from workers.tlt.rollout.speculative import Tree, ancestors, tree_mask
 pytestmark = pytest.mark.skipif(not linear.onednn_bf16(), reason="needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
 
 P, N = 40, 6  # prompt length, tokens decoded
+MAX_LEN = 384  # cache slots of every test's rows
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,8 @@ def _tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _prefilled(model, prompt: torch.Tensor, max_len: int = 192):
-    cache = model.new_cache(1, max_len)
+def _prefilled(model, prompt: torch.Tensor):
+    cache = model.new_cache(1, MAX_LEN)
     model(prompt, torch.arange(prompt.shape[1])[None], cache)
     cache.lengths += prompt.shape[1]
     return cache
@@ -50,10 +51,11 @@ def _decode_steps(model, prompt, toks) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def test_a_chain_verify_pass_gives_each_token_the_decode_steps_bits(model):
-    prompt, toks = _tokens(P, 1), _tokens(N, 2)
+@pytest.mark.parametrize("prompt_len", [P, 300])  # at 300 keys PyTorch's SDPA already rounds otherwise
+def test_a_chain_verify_pass_gives_each_token_the_decode_steps_bits(model, prompt_len):
+    prompt, toks = _tokens(prompt_len, 1), _tokens(N, 2)
     cache = _prefilled(model, prompt)
-    verify = model(toks, (P + torch.arange(N))[None], cache).logits[0]
+    verify = model(toks, (prompt_len + torch.arange(N))[None], cache).logits[0]
     assert torch.equal(verify, _decode_steps(model, prompt, toks))
 
 
@@ -82,7 +84,7 @@ def test_a_tree_verify_pass_gives_each_path_the_decode_steps_bits(model, prompt_
 @torch.inference_mode()
 def test_a_row_gets_the_same_bits_beside_rows_with_longer_prefixes(model):
     prompt, toks, long = _tokens(P, 6), _tokens(N, 7), _tokens(P + 23, 8)
-    cache = model.new_cache(2, 192)
+    cache = model.new_cache(2, MAX_LEN)
     for row, p in enumerate((prompt, long)):  # prefill each row on its own (lengths differ)
         alone = _prefilled(model, p)
         for layer in range(len(cache.k)):
