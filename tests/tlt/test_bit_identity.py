@@ -106,3 +106,23 @@ def test_cached_attention_is_attention():
     mask[..., 0] = True  # every query sees at least one key
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None], enable_gqa=True)
     torch.testing.assert_close(cached_attention(q, k, v, mask).float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@torch.inference_mode()
+def test_a_query_gets_the_same_bits_however_many_masked_keys_follow_its_own():
+    """A decode step's key range ends at its own key; a verify pass's reaches the pass's last slot, and
+    a batch's the longest row's. On AMX oneDNN sums products of some key counts (multiples of 30 from
+    210 to 450, among others) in other blocks than the rest, so trailing zero weights do not hide the
+    extra slots: the products must not span them (KeyLayout.head_width). This failed on AMX at S in
+    (210, 240, 270, 300, ...) when the head product spanned all S slots."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 9  # rows; queries of a chain (each row's last T positions)
+    q = torch.randn(B, 9, T, 64, generator=g).mul(2).to(torch.bfloat16)
+    k, v = (torch.randn(B, 3, 600, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    differ = []
+    for L in (200, 210, 240, 256, 270, 300):  # each query's own keys end at L
+        lengths = torch.full((B,), L - T)
+        alone = cached_attention(q, k[:, :, :L], v[:, :, :L], causal_mask(lengths, T, L))
+        differ += [(L, S) for S in range(L + 1, L + 200)
+                   if not torch.equal(cached_attention(q, k[:, :, :S], v[:, :, :S], causal_mask(lengths, T, S)), alone)]
+    assert differ == []

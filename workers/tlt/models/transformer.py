@@ -194,27 +194,37 @@ class KeyLayout(NamedTuple):
 
     mask [B, T, S]: True = may attend. A query's visible keys, in slot order, are its sequence in
     order (prefix slots, then its ancestors in a tree pass, written before their descendants); the
-    k-th is at sequence position k. head [B, T, S]: its visible keys before its split point, the
-    largest multiple of SPLIT_EVERY that lies at least MAX_DEPTH keys before the query itself (so
-    for a draft token up to MAX_DEPTH deep these are cache slots 0.., as in its decode step).
-    tail [B, T, SPLIT_EVERY + MAX_DEPTH]: the slots of the rest, in order; tail_ok marks the real
-    ones (the others are padding)."""
+    k-th is at sequence position k. Its split point is the largest multiple of SPLIT_EVERY that lies
+    at least MAX_DEPTH keys before the query itself (so for a draft token up to MAX_DEPTH deep its
+    head is cache slots 0.., as in its decode step). head_width: the pass's largest split point, the
+    key count of the head product; head_off [B, 1, T, 1, head_width]: slots outside a query's head.
+    tail [B, T, SPLIT_EVERY + MAX_DEPTH]: the slots of the rest, in order (tail_rows: the same as
+    rows of the flattened [B * S] cache); tail_off marks the padding among them. The masks come shaped for the [B, kv, T,
+    g, keys] weights, built once per forward rather than once per layer."""
 
     mask: Tensor
-    head: Tensor
+    hidden: Tensor  # ~mask, [B, 1, T, 1, S]
+    head_width: int
+    head_off: Tensor
     tail: Tensor
-    tail_ok: Tensor
+    tail_rows: Tensor
+    tail_off: Tensor  # [B, 1, T, 1, SPLIT_EVERY + MAX_DEPTH]
 
     @classmethod
     def of(cls, mask: Tensor) -> "KeyLayout":
-        S, width = mask.shape[-1], SPLIT_EVERY + MAX_DEPTH
+        B, S, width = mask.shape[0], mask.shape[-1], SPLIT_EVERY + MAX_DEPTH
         rank = mask.cumsum(-1) - 1  # a visible key's position in its query's sequence
         query = mask.sum(-1, keepdim=True) - 1  # the query's own position
         split = (query - MAX_DEPTH).clamp(min=0) // SPLIT_EVERY * SPLIT_EVERY
+        head_width = int(split.max())
         slots = torch.arange(S, device=mask.device).expand_as(mask)
         tail = torch.where(mask & (rank >= split), slots, S).sort(-1).values[..., :width]
         tail = F.pad(tail, (0, width - tail.shape[-1]), value=S)  # short caches: pad to the fixed width
-        return cls(mask, mask & (rank < split), tail.clamp(max=S - 1), tail < S)
+        padding, tail = tail == S, tail.clamp(max=S - 1)
+        rows = (tail + S * torch.arange(B, device=mask.device)[:, None, None]).view(-1)
+        head_off = ~(mask & (rank < split))[..., :head_width]
+        return cls(mask, ~mask[:, None, :, None], head_width, head_off[:, None, :, None], tail, rows,
+                   padding[:, None, :, None])
 
 
 def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | KeyLayout) -> Tensor:
@@ -227,38 +237,38 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     SD is then token-identical to plain decoding by construction, not only where no near-tie falls.
     PyTorch's CPU SDPA is not: it blocks queries and keys by the pass's shape, and bfloat16's 8-bit
     logits turned that into flipped tokens (README "Rollout"). Here both products run in oneDNN,
-    whose results do not depend on how many query rows share a product, and where trailing zero
-    weights change nothing; the softmax's row maximum is exact in any order and its normaliser is the
-    output product's own (a column of ones beside the values). But one product over all keys is not
-    enough: how oneDNN blocks the keys it sums depends on the product's key count, and in a tree
-    pass a query's last keys sit between masked siblings, in other blocks than in its decode step (a
-    real SmolLM2 draft tree got other bits so: test_smollm2). So the weighted sum is split
-    (KeyLayout): the head, cache slots 0.. in place up to a fixed multiple of SPLIT_EVERY and only
-    zeros after; the tail, the at most SPLIT_EVERY + MAX_DEPTH keys after it gathered into sequence
-    order, in a product of fixed width. A decode step splits the same sequence at the same point. The numerics are those of HF's eager bfloat16
-    attention (products in bfloat16, softmax in float32).
+    whose results do not depend on how many query rows share a product; the softmax's row maximum is
+    exact in any order and its normaliser is the output product's own (a column of ones beside the
+    values). How oneDNN blocks the keys it sums, though, depends on the product's key count: in a
+    tree pass a query's last keys sit between masked siblings, in other blocks than in its decode
+    step (a real SmolLM2 draft tree got other bits so: test_smollm2), and on AMX some key counts
+    (multiples of 30 from 210 to 450, among others) are summed in other blocks than the rest, which
+    trailing zero weights then do not hide (test_bit_identity). So the weighted sum is split
+    (KeyLayout): the head, cache slots 0.. in place up to a query's split point, zeros after, in a
+    product over the pass's largest split point (a multiple of SPLIT_EVERY, which every product here
+    sums alike); the tail, the at most SPLIT_EVERY + MAX_DEPTH keys after it gathered into sequence
+    order, in a product of fixed width. A decode step splits the same sequence at the same point.
+    The numerics are those of HF's eager bfloat16 attention (products in bfloat16, softmax in float32).
     """
     if not invariant_attention(q):
         m = mask.mask if isinstance(mask, KeyLayout) else mask
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=m[:, None], enable_gqa=True)
     keyed = mask if isinstance(mask, KeyLayout) else KeyLayout.of(mask)
     B, h, T, hd = q.shape
-    kv, S, W = keys.shape[1], keys.shape[2], keyed.tail.shape[-1]
+    kv, S, H = keys.shape[1], keys.shape[2], keyed.head_width
     g = h // kv  # query heads per key head: their rows share one product with that head's keys
     q = q.view(B, kv, g, T, hd).transpose(2, 3).reshape(B, kv, T * g, hd)  # rows (token, head)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * hd ** -0.5  # [B, kv, T * g, S]
-    scores = scores.view(B, kv, T, g, S).masked_fill(~keyed.mask[:, None, :, None], float("-inf"))
+    scores = scores.view(B, kv, T, g, S).masked_fill(keyed.hidden, float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(q.dtype)  # [B, kv, T, g, S]
     # values with a column of ones (the normaliser), as rows [B * S, kv, hd + 1] for the tail's gather
     rows = torch.cat([values.transpose(1, 2), values.new_ones(B, S, kv, 1)], dim=-1)
-    head = torch.matmul(weights.masked_fill(~keyed.head[:, None, :, None], 0).view(B, kv, T * g, S),
-                        rows.transpose(1, 2))  # [B, kv, T * g, hd + 1]
-    tail_w = weights.gather(-1, keyed.tail[:, None, :, None].expand(B, kv, T, g, W))
-    tail_w = tail_w.masked_fill(~keyed.tail_ok[:, None, :, None], 0)  # [B, kv, T, g, W]
-    slots = (keyed.tail + S * torch.arange(B, device=q.device)[:, None, None]).view(-1)
-    tail_v = rows.view(B * S, kv, hd + 1).index_select(0, slots).view(B, T, W, kv, hd + 1)
-    tail = torch.matmul(tail_w, tail_v.permute(0, 3, 1, 2, 4))  # [B, kv, T, g, hd + 1]
-    out = head.view(B, kv, T, g, hd + 1).float() + tail.float()
+    tail_w = weights.gather(-1, keyed.tail[:, None, :, None].expand(B, kv, T, g, -1))
+    tail_v = rows.view(B * S, kv, hd + 1).index_select(0, keyed.tail_rows).view(B, T, -1, kv, hd + 1)
+    out = torch.matmul(tail_w.masked_fill(keyed.tail_off, 0), tail_v.permute(0, 3, 1, 2, 4)).float()
+    if H:  # [B, kv, T, g, hd + 1]
+        head_w = weights[..., :H].masked_fill(keyed.head_off, 0).view(B, kv, T * g, H)
+        out = out + torch.matmul(head_w, rows[:, :H].transpose(1, 2)).view(B, kv, T, g, hd + 1).float()
     out = (out[..., :hd] / out[..., hd:]).to(q.dtype)  # [B, kv, T, g, hd]
     return out.permute(0, 1, 3, 2, 4).reshape(B, h, T, hd)
 
