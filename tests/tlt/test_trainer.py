@@ -439,6 +439,21 @@ def test_engines_sleep_by_default_only_where_the_learner_shares_their_gpus():
     assert sleeps_while_learning(load_config(data), gpu=False)
 
 
+def test_an_auto_dtype_is_resolved_once_for_the_whole_run(tmp_path):
+    from workers.tlt.models.linear import amx_bf16
+    from workers.tlt.trainer import resolve_dtype
+
+    data = preset("smollm2-mathmix-cpu").model_dump(mode="json")
+    assert data["model"]["dtype"] == "auto"
+    data["run"]["device"] = "cpu"
+    cfg = load_config(data)
+    trainer = Trainer(cfg, tmp_path, Tracking([]))
+    assert trainer.cfg.model.dtype == ("bfloat16" if amx_bf16() else "float32")
+    assert resolve_dtype(cfg, "cuda").model.dtype == "bfloat16"
+    data["model"]["dtype"] = "float32"
+    assert resolve_dtype(load_config(data), "cuda").model.dtype == "float32"  # an explicit dtype stays
+
+
 def test_a_static_drafter_run_speculates_but_never_trains_its_drafter(ray_local, tmp_path):
     data = tiny_cfg(steps=2).model_dump(mode="json")
     data["drafter"]["spot_training"] = False

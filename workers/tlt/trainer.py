@@ -67,6 +67,17 @@ def resolve_device(cfg: TLTConfig) -> str:
     return cfg.run.device
 
 
+def resolve_dtype(cfg: TLTConfig, device: str) -> TLTConfig:
+    """The config with `model.dtype: auto` made concrete for this device, so that the policy, the
+    workers, the learner's weight sync and the drafter warm-up's cache key all see one dtype."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    from .models.linear import amx_bf16
+
+    dtype = "bfloat16" if device == "cuda" or amx_bf16() else "float32"
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
+
+
 def make_run_task(cfg: TLTConfig, policy_folder: Path):
     from .tasks import make_task
 
@@ -146,7 +157,8 @@ class Trainer:
 
     def __init__(self, cfg: TLTConfig, out: str | Path, tracking: Tracking, resume: bool = False,
                  progress: Callable[[int, dict[str, float]], None] | None = None, worker_actor: Any = None):
-        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        self.cfg = cfg = resolve_dtype(cfg, self.device)
         self.out = Path(out)
         self.tracking = tracking
         self.resume = resume
@@ -155,7 +167,6 @@ class Trainer:
         self.worker_actor = worker_actor
         self.tlt = cfg.run.tlt  # SD in the tail
         self.spot = self.tlt and cfg.drafter.spot_training  # and the drafter trained on idle workers
-        self.device = resolve_device(cfg)
         self.step = 0
         self.workers: list[Any] = []
         self._spot_failed = False  # spot training failed once: the run goes on with SD, without retraining

@@ -128,7 +128,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
 
     from ..config import load_config, preset
     from ..models.linear import cpu_flags, cpu_name
-    from ..trainer import ensure_ray
+    from ..trainer import ensure_ray, resolve_device, resolve_dtype
 
     base = preset(preset_name, overrides)
     data = base.model_dump(mode="json")
@@ -179,7 +179,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "cpu": cpu_name(),
         "cpu_flags": cpu_flags(),
         "cpus": os.cpu_count(),
-        "dtype": base.model.dtype,  # the rollout's
+        "dtype": resolve_dtype(base, resolve_device(base)).model.dtype,  # the rollout's
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "e2e_speedup": e2e_speedup,

@@ -198,6 +198,12 @@ def onednn_bf16() -> bool:
     return _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def amx_bf16() -> bool:
+    """oneDNN multiplies bfloat16 on AMX tiles here: a verify pass of a few tokens then costs about
+    what a one-token decode step does, so bfloat16 pays for SD (config `model.dtype: auto`)."""
+    return onednn_bf16() and "amx_bf16" in cpu_flags()
+
+
 # --- tuning ---------------------------------------------------------------------------------------
 
 
