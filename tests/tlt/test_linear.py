@@ -270,3 +270,57 @@ def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):
     monkeypatch.setenv("TLT_KERNEL", "fastest")
     with pytest.raises(ValueError, match="TLT_KERNEL"):
         tune(_model())
+
+
+class _QKV(torch.nn.Module):
+    def __init__(self, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.q, self.k, self.v = (Linear(256, n, bias=bias, dtype=dtype) for n in (320, 64, 64))
+        self.qkv = linear.Fused(self.q, self.k, self.v)
+
+
+@pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layers_give_each_part_its_product_and_follow_weight_updates(dtype):
+    if dtype not in linear.tuned_dtypes():
+        pytest.skip("oneDNN does not multiply bfloat16 on this CPU: parts run unfused")
+    torch.manual_seed(0)
+    m = _QKV(bias=True, dtype=dtype)
+    tune(m)
+    stacked = m.qkv.layer()
+    assert stacked.weight.shape == (448, 256) and stacked.kernel in KERNELS  # tuned with the rest
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+    real_layer, calls = m.qkv.layer, []
+    m.qkv.layer = lambda: calls.append(1) or real_layer()  # counts the stacked products
+
+    def check(rows: int, fused: bool) -> None:
+        x = torch.randn(2, rows, 256).to(dtype)
+        calls.clear()
+        with torch.inference_mode():
+            got = m.qkv(x)
+        assert bool(calls) == fused  # the stacked product ran, or the parts did
+        for y, part in zip(got, (m.q, m.k, m.v)):
+            assert y.shape == (2, rows, part.out_features)
+            torch.testing.assert_close(y, F.linear(x, part.weight, part.bias), **tol)
+
+    check(1, fused=True)
+    check(MAX_FEW_ROWS // 2, fused=True)
+    check(MAX_FEW_ROWS, fused=False)  # 2 x 64 rows: a prefill, the parts' bulk kernels
+    with torch.no_grad():
+        m.k.weight.mul_(-2)  # in place: the stacked copy is keyed by the version counter
+        m.v.bias.add_(1)
+    check(3, fused=True)
+    m.q.weight = torch.nn.Parameter(torch.randn(320, 256).to(dtype))  # a new tensor
+    check(3, fused=True)
+    assert m.qkv.layer() is not stacked and m.qkv.layer().kernel == stacked.kernel  # rebuilt, as tuned
+    del m.qkv.layer
+    copy = pickle.loads(pickle.dumps(m))
+    assert copy.qkv._layer is None and copy.qkv.parts[0] is copy.q  # no cached copy; the copy's own parts
+
+
+def test_fused_layers_train_through_their_parts():
+    m = _QKV(bias=False, dtype=torch.float32)
+    q, k, v = m.qkv(torch.randn(3, 256))
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert m.qkv._layer is None and all(p.weight.grad is not None for p in (m.q, m.k, m.v))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import Linear, onednn_bf16
+from .linear import Fused, Linear, onednn_bf16
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -290,14 +290,16 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
         self.o_proj = Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], layer: int, cache: KVCache | None,
                 write_pos: Tensor | None, mask: Tensor | KeyLayout | None) -> Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
-        q = _apply_rope(self.q_proj(x).view(B, T, -1, hd), *rope)
-        k = _apply_rope(self.k_proj(x).view(B, T, -1, hd), *rope)
-        v = self.v_proj(x).view(B, T, -1, hd)
+        q, k, v = self.qkv(x)
+        q = _apply_rope(q.view(B, T, -1, hd), *rope)
+        k = _apply_rope(k.view(B, T, -1, hd), *rope)
+        v = v.reshape(B, T, -1, hd)
         if cache is None:
             # training / scoring: plain causal attention over the T tokens
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -317,9 +319,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
