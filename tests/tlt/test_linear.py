@@ -289,6 +289,7 @@ def test_fused_layers_give_each_part_its_product_and_follow_weight_updates(dtype
     tune(m)
     stacked = m.qkv.layer()
     assert stacked.weight.shape == (448, 256) and stacked.kernel in KERNELS  # tuned with the rest
+    assert linear.chosen_kernels(m)["448x256x1"] == stacked.kernel  # and reported
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
 
     real_layer, calls = m.qkv.layer, []

@@ -336,12 +336,18 @@ def _time_bulk(layer: Linear, reps: int) -> dict[str, float]:
     return _best_times({"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, packed())}, reps)
 
 
+def _linears(model: nn.Module) -> list[Linear]:
+    """A model's Linear layers and the stacked layers of its Fused groups (made here if need be)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    return layers + [f.layer() for m in model.modules() for f in vars(m).values()
+                     if isinstance(f, Fused) and not f.parts[0].weight.is_meta and not f.parts[0].weight.is_inference()]
+
+
 def chosen_kernels(model: nn.Module) -> dict[str, str]:
-    """{"<out>x<in>x<count>": kernel} of a model's Linear layers as they are set now."""
+    """{"<out>x<in>x<count>": kernel} of a model's Linear layers, stacked ones included, as set now."""
     groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
-    for m in model.modules():
-        if isinstance(m, Linear):
-            groups[tuple(m.weight.shape)].append(m)
+    for m in _linears(model):
+        groups[tuple(m.weight.shape)].append(m)
     return {f"{o}x{i}x{len(g)}": ",".join(sorted({m.kernel for m in g})) for (o, i), g in groups.items()}
 
 
@@ -390,9 +396,7 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
     """
     if getattr(model, "_tlt_tuned", False):
         return {}
-    layers = [m for m in model.modules() if isinstance(m, Linear) and not m.weight.is_meta]
-    layers += [f.layer() for m in model.modules() for f in vars(m).values()  # the stacked products too
-               if isinstance(f, Fused) and not f.parts[0].weight.is_meta and not f.parts[0].weight.is_inference()]
+    layers = [m for m in _linears(model) if not m.weight.is_meta]
     if not layers:
         return {}
     forced = os.environ.get("TLT_KERNEL", "").strip()
