@@ -286,14 +286,16 @@ def test_fused_layers_give_each_part_its_product_and_follow_weight_updates(dtype
         pytest.skip("oneDNN does not multiply bfloat16 on this CPU: parts run unfused")
     torch.manual_seed(0)
     m = _QKV(bias=True, dtype=dtype)
+    real_layer, calls = m.qkv.layer, []
+    m.qkv.layer = lambda: calls.append(1) or real_layer()  # counts the stacked products
+    with torch.inference_mode():
+        m.qkv(torch.randn(2, 256).to(dtype))
+    assert not calls  # an untuned model (a learner's: FSDP2 weights, no version bump) never stacks
     tune(m)
     stacked = m.qkv.layer()
     assert stacked.weight.shape == (448, 256) and stacked.kernel in KERNELS  # tuned with the rest
     assert linear.chosen_kernels(m)["448x256x1"] == stacked.kernel  # and reported
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-
-    real_layer, calls = m.qkv.layer, []
-    m.qkv.layer = lambda: calls.append(1) or real_layer()  # counts the stacked products
 
     def check(rows: int, fused: bool) -> None:
         x = torch.randn(2, rows, 256).to(dtype)
@@ -317,7 +319,7 @@ def test_fused_layers_give_each_part_its_product_and_follow_weight_updates(dtype
     assert m.qkv.layer() is not stacked and m.qkv.layer().kernel == stacked.kernel  # rebuilt, as tuned
     del m.qkv.layer
     copy = pickle.loads(pickle.dumps(m))
-    assert copy.qkv._layer is None and copy.qkv.parts[0] is copy.q  # no cached copy; the copy's own parts
+    assert copy.qkv._layer is None and copy.qkv.parts[0] is copy.q and copy.qkv.active  # no cached copy
 
 
 def test_fused_layers_train_through_their_parts():

@@ -149,13 +149,17 @@ class Fused:
     225). The parts' own Linears run everywhere else (autograd, prefill, GPUs), so parameters and
     state_dict stay the parts'. Not a Module: a plain attribute, invisible to state_dict and FSDP.
 
-    The stacked layer is made on first use and again when a part's parameter changes (a new tensor,
-    or an in-place update that bumps its version), keeping the kernels `tune` chose for it. Decode
-    steps and verify passes both take it, so the products they compare are the same kernel's."""
+    Only models `tune` has seen stack (`active`): the rollout's, whose weights change only through
+    copy_ or load_state_dict. The stacked layer is made again when a part's parameter changes (a new
+    tensor, or an in-place update that bumps its version), keeping the kernels `tune` chose for it.
+    The learner's never stack: FSDP2 gathers new weights into the same storage without bumping the
+    version, so a stacked copy would go stale. Decode steps and verify passes both take the stacked
+    layer, so the products they compare are the same kernel's."""
 
     def __init__(self, *parts: Linear):
         self.parts = parts
         self.sizes = [p.out_features for p in parts]
+        self.active = False  # set by tune()
         self._layer: tuple[tuple, Linear] | None = None
 
     def __getstate__(self):
@@ -164,7 +168,7 @@ class Fused:
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         w = self.parts[0].weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if 0 < rows <= MAX_FEW_ROWS and _ONEDNN and _cpu_inference(x, w) and not w.is_inference():
+        if self.active and 0 < rows <= MAX_FEW_ROWS and _ONEDNN and _cpu_inference(x, w) and not w.is_inference():
             return self.layer()(x).split(self.sizes, -1)
         return tuple(p(x) for p in self.parts)
 
@@ -336,11 +340,15 @@ def _time_bulk(layer: Linear, reps: int) -> dict[str, float]:
     return _best_times({"linear": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, packed())}, reps)
 
 
+def _fused(model: nn.Module) -> list[Fused]:
+    """A model's Fused groups over real (not meta, not inference) weights."""
+    return [f for m in model.modules() for f in vars(m).values()
+            if isinstance(f, Fused) and not f.parts[0].weight.is_meta and not f.parts[0].weight.is_inference()]
+
+
 def _linears(model: nn.Module) -> list[Linear]:
     """A model's Linear layers and the stacked layers of its Fused groups (made here if need be)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    return layers + [f.layer() for m in model.modules() for f in vars(m).values()
-                     if isinstance(f, Fused) and not f.parts[0].weight.is_meta and not f.parts[0].weight.is_inference()]
+    return [m for m in model.modules() if isinstance(m, Linear)] + [f.layer() for f in _fused(model)]
 
 
 def chosen_kernels(model: nn.Module) -> dict[str, str]:
@@ -405,7 +413,7 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
             raise ValueError(f"TLT_KERNEL={forced!r}: choose one of {', '.join(KERNELS)}")
         for layer in layers:
             layer.kernel = forced
-        model._tlt_tuned = True
+        _tuned(model)
         return {"*": forced}
     groups: dict[tuple[tuple[int, int], torch.dtype], list[Linear]] = defaultdict(list)
     for layer in layers:
@@ -441,5 +449,11 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
         log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s; bulk: %s", time.perf_counter() - t0,
                  cpu_name(), torch.get_num_threads(), chosen,
                  {f"{o}x{i}": g[0].bulk_kernel for ((o, i), _), g in groups.items()})
-    model._tlt_tuned = True
+    _tuned(model)
     return chosen
+
+
+def _tuned(model: nn.Module) -> None:
+    for f in _fused(model):
+        f.active = True
+    model._tlt_tuned = True
