@@ -26,6 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 SHAPES = {  # Llama-3.2-1B-like, and a tiny one for trying the script on a CPU
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -89,6 +91,7 @@ def learner_check(folder: Path, device: str, dtype: str, rows: int, response_len
 
 
 def rollout_check(folder: Path, device: str, dtype: str, batch: int, new_tokens: int) -> dict:
+    from ..models import linear
     from ..models.drafter import Drafter
     from ..models.transformer import Transformer
     from ..rollout.engine import SpecPolicy, generate
@@ -101,23 +104,87 @@ def rollout_check(folder: Path, device: str, dtype: str, batch: int, new_tokens:
     prompts = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(batch)]
     greedy = SamplingParams(temperature=0.0)
     out: dict = {}
-    tails: dict[str, list[int]] = {}
     with torch.no_grad():
-        for name, rows, spec, d in (("batch", prompts, SpecPolicy(enabled=False, threshold=0), None),
-                                    ("tail_plain", prompts[:1], SpecPolicy(enabled=False, threshold=0), None),
-                                    ("tail_sd", prompts[:1], SpecPolicy(enabled=True, threshold=1, arm="d4k1v4",
-                                                                        ngram_arm=False), drafter)):
-            generate(policy, rows, greedy, max_new_tokens=8, eos_ids=[], spec=spec, drafter=d,
-                     harvest_hidden=False)  # warm-up
-            t = time.perf_counter()
-            res = generate(policy, rows, greedy, max_new_tokens=new_tokens, eos_ids=[], spec=spec, drafter=d,
-                           harvest_hidden=False)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            secs = time.perf_counter() - t
-            out[f"rollout_{name}_tokens_per_s"] = round(sum(int(n) for n in res.lengths) / secs, 1)
-            tails[name] = list(res.tokens[0])
-    out["rollout_sd_equals_plain"] = tails["tail_sd"] == tails["tail_plain"]  # lossless: greedy SD = plain
+        for fixed in (False, True):  # PyTorch's own shapes, then one padded shape per few-row product
+            linear.CUDA_FIXED_SHAPES = fixed
+            tag = "" if fixed else "_unpadded"
+            tails: dict[str, list[int]] = {}
+            for name, rows, spec, d in (("batch", prompts, SpecPolicy(enabled=False, threshold=0), None),
+                                        ("tail_plain", prompts[:1], SpecPolicy(enabled=False, threshold=0), None),
+                                        ("tail_sd", prompts[:1], SpecPolicy(enabled=True, threshold=1, arm="d4k1v4",
+                                                                            ngram_arm=False), drafter)):
+                generate(policy, rows, greedy, max_new_tokens=8, eos_ids=[], spec=spec, drafter=d,
+                         harvest_hidden=False)  # warm-up
+                t = time.perf_counter()
+                res = generate(policy, rows, greedy, max_new_tokens=new_tokens, eos_ids=[], spec=spec, drafter=d,
+                               harvest_hidden=False)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                secs = time.perf_counter() - t
+                out[f"rollout_{name}{tag}_tokens_per_s"] = round(sum(int(n) for n in res.lengths) / secs, 1)
+                tails[name] = list(res.tokens[0])
+            plain, sd = tails["tail_plain"], tails["tail_sd"]
+            out[f"rollout_sd_equals_plain{tag}"] = plain == sd  # lossless: greedy SD = plain
+            if plain != sd:  # where SD departed, and how near a tie plain decoding's top two logits were
+                i = next(i for i, (a, b) in enumerate(zip(plain, sd)) if a != b)
+                seq = torch.tensor([prompts[0] + plain[:i]], device=device)
+                top2 = policy(seq).logits[0, -1].float().topk(2).values
+                out[f"rollout_sd_departs_at{tag}"] = i
+                out[f"rollout_sd_departure_margin{tag}"] = round(float(top2[0] - top2[1]), 5)
+    return out
+
+
+def _differing_rows(fn, x: Tensor, counts=(2, 5, 13, 32)) -> int:
+    """Rows whose bits differ between fn over the first n rows and fn over each row alone, summed over n."""
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(max(counts))])
+    return sum(int((fn(x[:n]) != alone[:n]).flatten(1).any(-1).sum()) for n in counts)
+
+
+def _padded(fn, rows: int = 64):
+    """fn over x padded with zero rows to `rows`: every product has one shape, whatever x's row count."""
+    return lambda x: fn(F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0])))[:x.shape[0]]
+
+
+def invariance_check(device: str) -> dict:
+    """Which of the decode step's operations give a row (a query) the same bits alone as beside others
+    (a verify pass): greedy SD is token-identical to plain decoding only where all of them do."""
+    from ..models import transformer as tf
+
+    out: dict = {}
+    g = torch.Generator(device=device).manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        x = torch.randn(64, 2048, generator=g, device=device).to(dtype)
+        for shape in ((2048, 2048), (8192, 2048), (32000, 2048)):
+            w = (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype)
+            lin = lambda a, w=w: F.linear(a, w)  # noqa: E731
+            out[f"{name}_linear_{shape[0]}_rows_differing"] = _differing_rows(lin, x)
+            out[f"{name}_linear_{shape[0]}_pad64_rows_differing"] = _differing_rows(_padded(lin), x)
+        norm = tf.RMSNorm(2048, 1e-5).to(device)
+        out[f"{name}_rmsnorm_rows_differing"] = _differing_rows(norm, x)
+        out[f"{name}_rmsnorm_pad64_rows_differing"] = _differing_rows(_padded(norm), x)
+        # attention: query 0 (n0 cached keys before it) alone, and as the first of T queries (chain)
+        h, kv, hd, n0 = 32, 8, 64, 300
+        q_all = torch.randn(1, h, 64, hd, generator=g, device=device).to(dtype)
+        keys = torch.randn(1, kv, n0 + 64, hd, generator=g, device=device).to(dtype)
+        values = torch.randn(1, kv, n0 + 64, hd, generator=g, device=device).to(dtype)
+        for path in ("sdpa", "explicit"):
+            for pad in (False, True):
+                def first_query(T: int) -> Tensor:
+                    Q = 64 if pad else T  # padding: queries beyond T copy query 0's mask, all zeros
+                    S = n0 + T
+                    q = torch.cat([q_all[:, :, :T], q_all.new_zeros(1, h, Q - T, hd)], 2)
+                    vis = torch.arange(S, device=device)[None, :] <= n0 + torch.arange(Q, device=device).clamp(max=T - 1)[:, None]
+                    vis[T:] = vis[0]
+                    saved = tf.invariant_attention
+                    tf.invariant_attention = lambda _q: path == "explicit"
+                    try:
+                        return tf.cached_attention(q, keys[:, :, :S], values[:, :, :S], vis[None])[:, :, 0]
+                    finally:
+                        tf.invariant_attention = saved
+                alone = first_query(1)
+                out[f"{name}_attention_{path}{'_pad64' if pad else ''}_passes_differing"] = sum(
+                    int(not torch.equal(first_query(T), alone)) for T in (2, 5, 13))
     return out
 
 
@@ -137,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         out["gpu"] = torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory(prefix="tlt-gpu-check-") as tmp:
         folder = _policy_folder(args.shape, Path(tmp))
-        for name, fn in (("learner", lambda: learner_check(folder, args.device, dtype, args.rows, args.response_len)),
+        for name, fn in (("invariance", lambda: invariance_check(args.device)),
+                         ("learner", lambda: learner_check(folder, args.device, dtype, args.rows, args.response_len)),
                          ("rollout", lambda: rollout_check(folder, args.device, dtype, args.batch, args.new_tokens))):
             print(f"[gpu-check] {name}", file=sys.stderr, flush=True)
             try:
@@ -147,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 out[f"{name}_ok"], out[f"{name}_error"] = False, f"{type(exc).__name__}: {exc}"[:500]
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
-    return 0 if out.get("learner_ok") and out.get("rollout_ok") else 1
+    return 0 if all(out.get(f"{c}_ok") for c in ("invariance", "learner", "rollout")) else 1
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_k
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+CUDA_FIXED_SHAPES = True  # few-row CUDA inference at one padded shape (padded_rows); off: PyTorch's shapes
 BF16_INVARIANT_ROWS = 32  # AMX bf16: a row's bits are the same beside up to this many rows (test_linear),
 # so larger few-row bf16 products (a tail of 4 rows verifying 9 tokens each) run in chunks of this size
 
@@ -111,6 +112,8 @@ class Linear(nn.Linear):
         (autograd, or more than MAX_FEW_ROWS rows); F.linear wherever neither applies."""
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if 0 < rows <= MAX_FEW_ROWS and cuda_fixed_shape(x, w):
+            return padded_rows(lambda x2: F.linear(x2, w, self.bias), x)
         if self.bulk_kernel == "onednn" and rows and _ONEDNN and _cpu_float32_training(x, w):
             y = _OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
             # a 2-D product is returned as is: a model's output must not be a view (FSDP2 hooks it)
@@ -216,6 +219,27 @@ class _OneDNNLinear(torch.autograd.Function):
         gw = _onednn(g.t().contiguous(), _pack(x2.t().contiguous())) if ctx.needs_input_grad[1] else None
         gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
+
+
+def cuda_fixed_shape(x: Tensor, w: Tensor | None = None) -> bool:
+    """CUDA inference (decode steps, verify passes), whose few-row products run at one padded shape
+    (padded_rows) where CUDA_FIXED_SHAPES."""
+    return (CUDA_FIXED_SHAPES and x.is_cuda
+            and not (torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))))
+
+
+def padded_rows(fn: Callable[[Tensor], Tensor], x: Tensor, rows: int = MAX_FEW_ROWS) -> Tensor:
+    """fn over x's rows (all dims but the last) padded with zero rows to `rows`, then cut back.
+
+    On a GPU the kernel a product or reduction runs (its tiling, split-K, the threads that share a
+    row's sum) is picked by its shape, so a row alone (a decode step) and the same row beside the
+    other draft tokens (a verify pass) can round differently, and greedy SD then departs from plain
+    decoding at a near-tie. One shape for every few-row product makes it the same kernel, and
+    rows never mix inside one. Zero rows cost nothing that matters: these products are bound by
+    reading the weights."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fn(F.pad(x2, (0, 0, 0, rows - x2.shape[0])))[:x2.shape[0]]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _autograd(x: Tensor, w: Tensor) -> bool:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import Fused, Linear, onednn_bf16
+from .linear import MAX_FEW_ROWS, Fused, Linear, cuda_fixed_shape, onednn_bf16, padded_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -163,6 +163,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # computed in float32 like the reference implementations, for bit-level agreement
+        if x.numel() <= MAX_FEW_ROWS * x.shape[-1] and cuda_fixed_shape(x):  # the row sums' kernel
+            # follows the row count (linear.padded_rows)
+            return padded_rows(self._norm, x)
+        return self._norm(x)
+
+    def _norm(self, x: Tensor) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -187,6 +193,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 SPLIT_EVERY = 32  # a query's keys split into a head and a tail at a multiple of this many keys ...
 MAX_DEPTH = 32  # ... at least this many keys before the query: the deepest draft token still bit-identical
+QUERY_ROWS = 64  # CUDA: a pass of fewer queries is padded to this many (cached_attention)
 
 
 class KeyLayout(NamedTuple):
@@ -250,11 +257,15 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     order, in a product of fixed width. A decode step splits the same sequence at the same point.
     The numerics are those of HF's eager bfloat16 attention (products in bfloat16, softmax in float32).
     """
+    B, h, T, hd = q.shape
+    if T < QUERY_ROWS and B * T <= MAX_FEW_ROWS and cuda_fixed_shape(q):  # the tail's passes at one
+        # query count (linear.padded_rows); a padding query attends where the first does
+        m = torch.cat([mask, mask[:, :1].expand(-1, QUERY_ROWS - T, -1)], 1)
+        return cached_attention(F.pad(q, (0, 0, 0, QUERY_ROWS - T)), keys, values, m)[:, :, :T]
     if not invariant_attention(q):
         m = mask.mask if isinstance(mask, KeyLayout) else mask
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=m[:, None], enable_gqa=True)
     keyed = mask if isinstance(mask, KeyLayout) else KeyLayout.of(mask)
-    B, h, T, hd = q.shape
     kv, S, H = keys.shape[1], keys.shape[2], keyed.head_width
     g = h // kv  # query heads per key head: their rows share one product with that head's keys
     q = q.view(B, kv, g, T, hd).transpose(2, 3).reshape(B, kv, T * g, hd)  # rows (token, head)
