@@ -5,12 +5,17 @@
 
 With a random-init 1B-class Llama shape it runs, and reports in one JSON line (the last stdout line):
 
+    invariance  per operation of a decode step (linear, RMSNorm, attention), in float32 and bfloat16:
+              rows that get other bits beside others (a verify pass) than alone (a decode step), at
+              PyTorch's own shapes and at the fixed shapes the engine pads the tail's passes to
     learner   one GRPO step through FSDP2 at one rank (the learner group's rank body, in-process:
               NCCL on CUDA, bf16 compute with fp32 master weights), tokens/s and peak memory
     publish   the rank's bucketed weight publish (what the rollout workers read), seconds and bytes
     rollout   the built-in engine's batched decoding on the same shape: a full batch, then the tail
               (batch 1) plain and with SD (a random drafter: the acceptance is meaningless, the
-              kernels and the verify path are what is checked), tokens/s
+              kernels and the verify path are what is checked), tokens/s; whether greedy SD gave
+              plain decoding's tokens, with fixed shapes and without (`_unpadded`), and where not,
+              the token it departed at and plain decoding's top-two logit margin there
 
 Checks correctness of the code paths on the device, not speed claims.
 """
@@ -22,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+from unittest import mock
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,53 +146,51 @@ def _differing_rows(fn, x: Tensor, counts=(2, 5, 13, 32)) -> int:
     return sum(int((fn(x[:n]) != alone[:n]).flatten(1).any(-1).sum()) for n in counts)
 
 
-def _padded(fn, rows: int = 64):
-    """fn over x padded with zero rows to `rows`: every product has one shape, whatever x's row count."""
-    return lambda x: fn(F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0])))[:x.shape[0]]
+def _differing_passes(q: Tensor, keys: Tensor, values: Tensor, before: int, counts=(2, 5, 13)) -> int:
+    """Passes of n chained queries (as a verify pass) in which the first query's output differs in bits
+    from that query alone (as a decode step); `before` cached keys precede it."""
+    from ..models.transformer import cached_attention
+
+    def first(n: int) -> Tensor:
+        S = before + n
+        sees = torch.arange(S, device=q.device)[None, :] <= before + torch.arange(n, device=q.device)[:, None]
+        return cached_attention(q[:, :, :n], keys[:, :, :S], values[:, :, :S], sees[None])[:, :, 0]
+
+    alone = first(1)
+    return sum(int(not torch.equal(first(n), alone)) for n in counts)
 
 
 def invariance_check(device: str) -> dict:
-    """Which of the decode step's operations give a row (a query) the same bits alone as beside others
-    (a verify pass): greedy SD is token-identical to plain decoding only where all of them do."""
-    from ..models import transformer as tf
+    """Per operation of a decode step: rows (queries) that get other bits beside others than alone,
+    at PyTorch's own shapes and at the fixed shapes the engine runs on CUDA (linear.padded_rows).
+    Greedy SD is token-identical to plain decoding only where every operation the engine runs gives 0.
+    `explicit` attention is the CPU's invariant formulation (transformer.cached_attention), run here
+    for comparison."""
+    from ..models import linear, transformer
 
     out: dict = {}
     g = torch.Generator(device=device).manual_seed(2)
-    for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).removeprefix("torch.")
-        x = torch.randn(64, 2048, generator=g, device=device).to(dtype)
-        for shape in ((2048, 2048), (8192, 2048), (32000, 2048)):
-            w = (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype)
-            lin = lambda a, w=w: F.linear(a, w)  # noqa: E731
-            out[f"{name}_linear_{shape[0]}_rows_differing"] = _differing_rows(lin, x)
-            out[f"{name}_linear_{shape[0]}_pad64_rows_differing"] = _differing_rows(_padded(lin), x)
-        norm = tf.RMSNorm(2048, 1e-5).to(device)
-        out[f"{name}_rmsnorm_rows_differing"] = _differing_rows(norm, x)
-        out[f"{name}_rmsnorm_pad64_rows_differing"] = _differing_rows(_padded(norm), x)
-        # attention: query 0 (n0 cached keys before it) alone, and as the first of T queries (chain)
-        h, kv, hd, n0 = 32, 8, 64, 300
-        q_all = torch.randn(1, h, 64, hd, generator=g, device=device).to(dtype)
-        keys = torch.randn(1, kv, n0 + 64, hd, generator=g, device=device).to(dtype)
-        values = torch.randn(1, kv, n0 + 64, hd, generator=g, device=device).to(dtype)
-        for path in ("sdpa", "explicit"):
-            for pad in (False, True):
-                def first_query(T: int) -> Tensor:
-                    Q = 64 if pad else T  # padding: queries beyond T copy query 0's mask, all zeros
-                    S = n0 + T
-                    q = torch.cat([q_all[:, :, :T], q_all.new_zeros(1, h, Q - T, hd)], 2)
-                    vis = torch.arange(S, device=device)[None, :] <= n0 + torch.arange(Q, device=device).clamp(max=T - 1)[:, None]
-                    vis[T:] = vis[0]
-                    saved = tf.invariant_attention
-                    tf.invariant_attention = lambda _q: path == "explicit"
-                    try:
-                        return tf.cached_attention(q, keys[:, :, :S], values[:, :, :S], vis[None])[:, :, 0]
-                    finally:
-                        tf.invariant_attention = saved
-                alone = first_query(1)
-                out[f"{name}_attention_{path}{'_pad64' if pad else ''}_passes_differing"] = sum(
-                    int(not torch.equal(first_query(T), alone)) for T in (2, 5, 13))
+    rand = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device) * scale  # noqa: E731
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            x = rand(64, 2048).to(dtype)
+            ops = {f"linear_{n}": (lambda a, w=rand(n, 2048, scale=0.02).to(dtype): F.linear(a, w))
+                   for n in (2048, 8192, 32000)}
+            ops["rmsnorm"] = transformer.RMSNorm(2048, 1e-5).to(device)
+            for op, fn in ops.items():
+                out[f"{name}_{op}_rows_differing"] = _differing_rows(fn, x)
+                out[f"{name}_{op}_fixed_rows_differing"] = _differing_rows(lambda a, fn=fn: linear.padded_rows(fn, a), x)
+            q, keys, values = rand(1, 32, 64, 64).to(dtype), rand(1, 8, 364, 64).to(dtype), rand(1, 8, 364, 64).to(dtype)
+            for path in ("sdpa", "explicit"):
+                with mock.patch.object(transformer, "invariant_attention", lambda _q, p=path: p == "explicit"):
+                    for fixed in (False, True):
+                        linear.CUDA_FIXED_SHAPES = fixed
+                        key = f"{name}_attention_{path}{'_fixed' if fixed else ''}_passes_differing"
+                        out[key] = _differing_passes(q, keys, values, before=300)
+    finally:
+        linear.CUDA_FIXED_SHAPES = True
     return out
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workers.tlt.bench.gpu_check", description=__doc__.splitlines()[0])
