@@ -7,7 +7,7 @@ With a random-init 1B-class Llama shape it runs, and reports in one JSON line (t
 
     invariance  per operation of a decode step (linear, RMSNorm, attention), in float32 and bfloat16:
               rows that get other bits beside others (a verify pass) than alone (a decode step), at
-              PyTorch's own shapes and at the fixed shapes the engine pads the tail's passes to
+              PyTorch's own shapes and padded (`_padded`) as the engine pads the tail's passes on CUDA
     learner   one GRPO step through FSDP2 at one rank (the learner group's rank body, in-process:
               NCCL on CUDA, bf16 compute with fp32 master weights), tokens/s and peak memory
     publish   the rank's bucketed weight publish (what the rollout workers read), seconds and bytes
@@ -180,13 +180,13 @@ def invariance_check(device: str) -> dict:
             ops["rmsnorm"] = transformer.RMSNorm(2048, 1e-5).to(device)
             for op, fn in ops.items():
                 out[f"{name}_{op}_rows_differing"] = _differing_rows(fn, x)
-                out[f"{name}_{op}_fixed_rows_differing"] = _differing_rows(lambda a, fn=fn: linear.padded_rows(fn, a), x)
+                out[f"{name}_{op}_padded_rows_differing"] = _differing_rows(lambda a, fn=fn: linear.padded_rows(fn, a), x)
             q, keys, values = rand(1, 32, 64, 64).to(dtype), rand(1, 8, 364, 64).to(dtype), rand(1, 8, 364, 64).to(dtype)
             for path in ("sdpa", "explicit"):
                 with mock.patch.object(transformer, "invariant_attention", lambda _q, p=path: p == "explicit"):
                     for fixed in (False, True):
                         linear.CUDA_FIXED_SHAPES = fixed
-                        key = f"{name}_attention_{path}{'_fixed' if fixed else ''}_passes_differing"
+                        key = f"{name}_attention_{path}{'_padded' if fixed else ''}_passes_differing"
                         out[key] = _differing_passes(q, keys, values, before=300)
     finally:
         linear.CUDA_FIXED_SHAPES = True
