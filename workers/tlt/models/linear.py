@@ -224,8 +224,7 @@ class _OneDNNLinear(torch.autograd.Function):
 def cuda_fixed_shape(x: Tensor, w: Tensor | None = None) -> bool:
     """CUDA inference (decode steps, verify passes), whose few-row products run at one padded shape
     (padded_rows) where CUDA_FIXED_SHAPES."""
-    return (CUDA_FIXED_SHAPES and x.is_cuda
-            and not (torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))))
+    return CUDA_FIXED_SHAPES and x.is_cuda and not _autograd(x, w)
 
 
 def padded_rows(fn: Callable[[Tensor], Tensor], x: Tensor, rows: int = MAX_FEW_ROWS) -> Tensor:
@@ -242,8 +241,8 @@ def padded_rows(fn: Callable[[Tensor], Tensor], x: Tensor, rows: int = MAX_FEW_R
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _autograd(x: Tensor, w: Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+def _autograd(x: Tensor, w: Tensor | None = None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))
 
 
 def _cpu_float32_training(x: Tensor, w: Tensor) -> bool:
