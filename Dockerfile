@@ -17,8 +17,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     RAY_USAGE_STATS_ENABLED=0
 
+# g++: the rollout's few-row CPU kernel (workers/tlt/models/csrc) is compiled for the host CPU at first use
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends curl \
+    && apt-get install -y --no-install-recommends curl g++ \
     && rm -rf /var/lib/apt/lists/*
 
 RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}

@@ -1,6 +1,6 @@
 """workers/tlt/models/linear.py: every kernel computes what F.linear computes, never with a stale packed
-weight; the oneDNN kernel is batch-invariant (bit for bit) on real-size layers; tuning chooses per
-machine and caches its choice."""
+weight; the oneDNN and gemv kernels are batch-invariant (bit for bit) on real-size layers; tuning
+chooses per machine and caches its choice."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tlt.models import linear
+from workers.tlt.models import gemv, linear
 from workers.tlt.models.linear import KERNELS, MAX_FEW_ROWS, Linear, tune
 
 
@@ -54,13 +54,20 @@ def test_more_rows_than_a_few_take_the_bulk_kernel(bulk, monkeypatch):
     assert ran == ([3 * MAX_FEW_ROWS] if bulk == "onednn" else [])
 
 
-@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (4096, 576)])
-def test_the_onednn_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(shape):
-    """SmolLM2's layer shapes: a decode step (one row per sequence) and a verify pass (several rows)
-    must compute a row identically, or SD could round a near-tie the other way."""
+needs_gemv = pytest.mark.skipif(not gemv.available(), reason="the gemv kernel cannot be built here")
+
+
+@pytest.mark.parametrize("kernel", ["onednn", pytest.param("gemv", marks=needs_gemv)])
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (4096, 576), (1001, 300)])
+def test_the_tuned_kernels_give_a_row_the_same_bits_whatever_rows_come_with_it(shape, kernel):
+    """SmolLM2's layer shapes (and one that fills no block or vector evenly): a decode step (one row
+    per sequence) and a verify pass (several rows) must compute a row identically, or SD could
+    round a near-tie the other way."""
+    if kernel == "onednn" and not linear._ONEDNN:
+        pytest.skip("PyTorch built without oneDNN")
     torch.manual_seed(0)
     layer = Linear(shape[1], shape[0], bias=False)
-    layer.kernel = "onednn"
+    layer.kernel = kernel
     x = torch.randn(MAX_FEW_ROWS, shape[1])
     with torch.inference_mode():
         alone = torch.cat([layer(x[i:i + 1]) for i in range(MAX_FEW_ROWS)])
@@ -163,12 +170,13 @@ def test_keeps_leading_dimensions():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["onednn", pytest.param("gemv", marks=needs_gemv)])
 @pytest.mark.parametrize("update", ["in_place", "new_tensor"])
-def test_a_weight_update_reaches_the_packed_kernel(update):
+def test_a_weight_update_reaches_the_packed_kernel(update, kernel):
     """A policy weight sync changes the weight between two verify passes; the packed copy follows."""
     torch.manual_seed(0)
     layer = Linear(256, 256, bias=False)
-    layer.kernel = "onednn"
+    layer.kernel = kernel
     x = torch.randn(4, 256)
     with torch.no_grad():
         before = layer(x)
@@ -259,7 +267,37 @@ def test_tuning_chooses_only_kernels_that_give_a_row_the_same_bits_beside_others
     monkeypatch.setattr(Linear, "run", row_dependent)
     layer = Linear(256, 512)
     assert not linear.row_invariant(layer, "linear") and linear.row_invariant(layer, "onednn")
-    assert set(tune(_model()).values()) == {"onednn"}
+    assert "linear" not in tune(_model()).values()
+
+
+@needs_gemv
+def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_dtypes_to_f_linear(monkeypatch):
+    calls = []
+    real = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda x2, *a: calls.append(x2.shape[0]) or real(x2, *a))
+    torch.manual_seed(0)
+    layer = Linear(256, 330)
+    layer.kernel = "gemv"
+    x = torch.randn(2, 3, 256)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert calls == [6] and layer._blocked is not None and layer._packed is None
+        layer(torch.randn(MAX_FEW_ROWS + 1, 256))  # more than a few rows: the bulk kernel
+        half = Linear(256, 330).to(torch.bfloat16)
+        half.kernel = "gemv"
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(half(xb), F.linear(xb, half.weight, half.bias))  # float32 only
+    assert calls == [6]
+
+
+def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):
+    """Where gemv cannot be built (no C++ compiler) the tuner measures the others only."""
+    monkeypatch.setattr(gemv, "available", lambda: False)
+    assert not linear.usable("gemv", torch.float32) and linear.usable("linear", torch.float32)
+    assert "gemv" not in tune(_model()).values()
+    monkeypatch.setenv("TLT_KERNEL", "gemv")
+    with pytest.raises(ValueError, match="cannot run on this machine"):
+        tune(_model())
 
 
 def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):

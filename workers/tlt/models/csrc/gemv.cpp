@@ -1,0 +1,106 @@
+// Few-row float32 products y = x W^T for CPU decode steps and verify passes (models/gemv.py).
+//
+// A decode step reads every weight once for one row, so it is bound by how fast the weights stream
+// from memory; a verify pass multiplies the same weights into a few rows. The weight is packed once
+// into blocks of NB consecutive outputs, each block [in, NB] contiguous, so a thread streams its
+// blocks front to back. Within a block, up to RB input rows share each loaded weight vector (the
+// usual broadcast-x, vector-of-outputs micro-kernel), so a few rows cost little more than one.
+//
+// Row invariance by construction: every output element is one fused multiply-add chain along the
+// input, in input order, from zero. Which rows or outputs share its tile never changes its
+// arithmetic, so a row gets the same bits alone (a decode step) as beside others (a verify pass).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+constexpr int64_t NB = 16;  // outputs per block: two vectors
+constexpr int RB = 6;       // input rows per tile: RB * 2 accumulators + 2 weights + 1 broadcast <= 16 registers
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v8 madd(v8 acc, v8 a, v8 b) {
+#ifdef __FMA__
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  return acc + a * b;  // compiled the same way in every tile
+#endif
+}
+
+// R input rows (stride n) by one packed block [n, NB] -> y (row stride ldy), `valid` outputs stored
+template <int R>
+inline void tile(const float* x, const float* wb, int64_t n, float* y, int64_t ldy, int64_t valid) {
+  v8 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
+  for (int64_t i = 0; i < n; ++i) {
+    const v8 w0 = load8(wb + i * NB), w1 = load8(wb + i * NB + 8);
+    for (int r = 0; r < R; ++r) {
+      const float xi = x[r * n + i];
+      const v8 xb = {xi, xi, xi, xi, xi, xi, xi, xi};
+      acc[r][0] = madd(acc[r][0], xb, w0);
+      acc[r][1] = madd(acc[r][1], xb, w1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[NB];
+    std::memcpy(out, &acc[r][0], sizeof acc[r][0]);
+    std::memcpy(out + 8, &acc[r][1], sizeof acc[r][1]);
+    std::memcpy(y + r * ldy, out, valid * sizeof(float));
+  }
+}
+
+template <int R>
+inline void rest(const float* x, const float* wb, int64_t n, float* y, int64_t ldy, int64_t valid, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile<R>(x, wb, n, y, ldy, valid);
+    rest<R - 1>(x, wb, n, y, ldy, valid, rows);
+  }
+}
+
+}  // namespace
+
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "pack: float32 CPU [out, in]");
+  const int64_t out = w.size(0), n = w.size(1), blocks = (out + NB - 1) / NB;
+  auto padded = torch::zeros({blocks * NB, n}, w.options());
+  padded.narrow(0, 0, out).copy_(w);
+  return padded.view({blocks, NB, n}).transpose(1, 2).contiguous();  // [blocks, in, NB]
+}
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& packed, int64_t out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "gemv: float32 CPU x [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x.size(1) && packed.is_contiguous() &&
+              packed.scalar_type() == at::kFloat && (out + NB - 1) / NB == packed.size(0), "gemv: a packed weight (pack)");
+  const auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1), blocks = packed.size(0);
+  auto y = torch::empty({rows, out}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* wb = wp + b * n * NB;
+      const int64_t valid = std::min(NB, out - b * NB);
+      int64_t r = 0;
+      for (; r + RB <= rows; r += RB) tile<RB>(xp + r * n, wb, n, yp + r * out + b * NB, out, valid);
+      if (r < rows) rest<RB - 1>(xp + r * n, wb, n, yp + r * out + b * NB, out, valid, rows - r);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "a float32 [out, in] weight in gemv's blocked layout");
+  m.def("gemv", &gemv, "few-row float32 x @ w.T from the packed weight, row-invariant (csrc/gemv.cpp)");
+}

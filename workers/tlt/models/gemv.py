@@ -1,0 +1,84 @@
+"""The few-row float32 product of csrc/gemv.cpp, compiled for the CPU at hand on first use.
+
+PyTorch's CPU kernels are built for products of many rows. At one row (a decode step) they read
+the weights far below the memory's speed: on 2 AVX2 EPYC cores SmolLM2's LM head (113 MB in
+float32) took 10 ms through F.linear, two rows 23 ms and seven 34, while a plain sum reads as many
+bytes in 3.5 ms. csrc/gemv.cpp streams a packed copy of the weight once and multiplies each loaded
+vector into up to six rows: 3.7 ms at one row, 6.5 at seven. It is one more candidate for
+linear.tune(), which keeps it only where it measures fastest and row-invariant.
+
+Built with the system's C++ compiler into var/build/ (about a minute, once per CPU kind and torch
+version: -march=native code must never run on another CPU), and shared by every process there
+(torch.utils.cpp_extension locks the build). Where it cannot be built the tuner never offers it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .policies import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+
+
+@functools.cache
+def build_tag() -> str:
+    """One build per CPU feature set, torch version and source: -march=native targets the CPU."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     platform.processor())
+    except OSError:
+        flags = platform.processor()
+    blob = "|".join([flags, torch.__version__, SOURCE.read_text()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _extension():
+    """The compiled module, or None where it cannot be built (no compiler, a non-x86 CPU)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from torch.utils.cpp_extension import load
+
+    name = f"tlt_gemv_{build_tag()}"
+    build = REPO_ROOT / "var" / "build" / name
+    try:
+        if shutil.which("ninja") is None:  # the pinned PyPI ninja: a worker need not have the venv on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            log.info("building the gemv kernel for this CPU in %s (about a minute, once)", build)
+        return load(name, [str(SOURCE)], build_directory=str(build), verbose=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # a missing compiler or headers: the other kernels still serve
+        log.warning("the gemv kernel could not be built (%s: %s); few-row products use PyTorch's kernels",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def available() -> bool:
+    return _extension() is not None
+
+
+def pack(w: Tensor) -> Tensor:
+    """A float32 CPU weight [out, in] in the kernel's blocked layout (a copy, made once per weight)."""
+    return _extension().pack(w)
+
+
+def linear(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> Tensor:
+    """x2 [rows, in] @ w[out, in]^T + bias, float32 on the CPU, from packed = pack(w)."""
+    y = _extension().gemv(x2, packed, out)
+    return y if bias is None else y.add_(bias)
