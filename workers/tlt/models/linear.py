@@ -28,7 +28,7 @@ F.linear rounds about 2 outputs in 10,000 of a row beside others differently fro
 (AVX-512 EPYC), packed oneDNN none in 600,000. Other dtypes, bfloat16 on older CPUs, and GPUs
 always take F.linear.
 
-Candidates (both equal F.linear up to float rounding; products of more than MAX_FEW_ROWS rows and
+Candidates (all equal F.linear up to float rounding; products of more than MAX_FEW_ROWS rows and
 autograd take the bulk kernel below):
 
     linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
@@ -36,8 +36,8 @@ autograd take the bulk kernel below):
              repeated), which takes oneDNN's many-row path, the one several rows take
     gemv     float32 only: our own kernel (gemv.py, compiled for the CPU on first use), which
              streams the weights at close to the memory's speed and is row-invariant by
-             construction; on 2 AVX2 EPYC cores a SmolLM2 decode step's products took 29 ms
-             through it against 65 ms through oneDNN
+             construction; on 2 AVX2 EPYC cores a SmolLM2 decode step took 40-44 ms through it
+             against 62-67 ms through packed oneDNN, a 7-token verify pass 60-65 against 77-100
 
 Compute-bound products are a separate choice, `Linear.bulk_kernel`: PyTorch's linear, or oneDNN.
 It takes every autograd product (the product and both gradient products, `_OneDNNLinear`; weights
