@@ -28,6 +28,7 @@ def _force_fixed_shapes(monkeypatch) -> None:
         return not linear._autograd(x, w)
     monkeypatch.setattr(linear, "cuda_fixed_shape", inference)
     monkeypatch.setattr(transformer, "cuda_fixed_shape", inference)
+    monkeypatch.setattr(transformer, "kernel_attention", lambda *_: False)  # CPU only: never on a GPU
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tlt.models import gemv, linear
+from workers.tlt.models import cpu_kernels, linear
 from workers.tlt.models.linear import KERNELS, MAX_FEW_ROWS, Linear, tune
 
 
@@ -54,7 +54,7 @@ def test_more_rows_than_a_few_take_the_bulk_kernel(bulk, monkeypatch):
     assert ran == ([3 * MAX_FEW_ROWS] if bulk == "onednn" else [])
 
 
-needs_gemv = pytest.mark.skipif(not gemv.available(), reason="the gemv kernel cannot be built here")
+needs_gemv = pytest.mark.skipif(not cpu_kernels.available(), reason="the gemv kernel cannot be built here")
 
 
 @pytest.mark.parametrize("kernel", ["onednn", pytest.param("gemv", marks=needs_gemv)])
@@ -273,8 +273,8 @@ def test_tuning_chooses_only_kernels_that_give_a_row_the_same_bits_beside_others
 @needs_gemv
 def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_dtypes_to_f_linear(monkeypatch):
     calls = []
-    real = gemv.linear
-    monkeypatch.setattr(gemv, "linear", lambda x2, *a: calls.append(x2.shape[0]) or real(x2, *a))
+    real = cpu_kernels.linear
+    monkeypatch.setattr(cpu_kernels, "linear", lambda x2, *a: calls.append(x2.shape[0]) or real(x2, *a))
     torch.manual_seed(0)
     layer = Linear(256, 330)
     layer.kernel = "gemv"
@@ -292,7 +292,7 @@ def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_
 
 def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):
     """Where gemv cannot be built (no C++ compiler) the tuner measures the others only."""
-    monkeypatch.setattr(gemv, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert not linear.usable("gemv", torch.float32) and linear.usable("linear", torch.float32)
     assert "gemv" not in tune(_model()).values()
     monkeypatch.setenv("TLT_KERNEL", "gemv")

@@ -34,7 +34,7 @@ autograd take the bulk kernel below):
     linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
     onednn   oneDNN with the weight packed once; a single row is computed as two (the row
              repeated), which takes oneDNN's many-row path, the one several rows take
-    gemv     float32 only: our own kernel (gemv.py, compiled for the CPU on first use), which
+    gemv     float32 only: our own kernel (cpu_kernels.py, compiled for the CPU on first use), which
              streams the weights at close to the memory's speed and is row-invariant by
              construction; on 2 AVX2 EPYC cores a SmolLM2 decode step took 40-44 ms through it
              against 62-67 ms through packed oneDNN, a 7-token verify pass 60-65 against 77-100
@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import gemv
+from . import cpu_kernels
 from .policies import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)  # inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
         if kernel == "gemv":  # few rows (the bulk kernels are linear and onednn)
-            return gemv.linear(x2, self._weight_copy("_blocked", gemv.pack), w.shape[0], self.bias).reshape(
+            return cpu_kernels.linear(x2, self._weight_copy("_blocked", cpu_kernels.pack), w.shape[0], self.bias).reshape(
                 *x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:
             y = _onednn(x2, self._packed_weight(), self.bias)
@@ -329,7 +329,7 @@ def _cache_key(shape: tuple[int, int], count: int, dtype: torch.dtype) -> str:
     # before only row-invariant ones were allowed, are not reused
     return (f"{cpu_name()} [{flags}]|torch {torch.__version__}|threads {torch.get_num_threads()}|"
             f"{shape[0]}x{shape[1]}x{count}|{str(dtype).removeprefix('torch.')}|row-invariant|"
-            f"{','.join(KERNELS)} {gemv.build_tag()}")
+            f"{','.join(KERNELS)} {cpu_kernels.build_tag()}")
 
 
 def _read_cache() -> dict[str, str]:
@@ -424,7 +424,7 @@ def usable(kernel: str, dtype: torch.dtype) -> bool:
     if kernel == "onednn":
         return _ONEDNN
     if kernel == "gemv":
-        return dtype == torch.float32 and gemv.available()
+        return dtype == torch.float32 and cpu_kernels.available()
     return True
 
 

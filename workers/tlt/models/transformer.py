@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_kernels
 from .linear import MAX_FEW_ROWS, Fused, Linear, cuda_fixed_shape, onednn_bf16, padded_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -258,6 +259,10 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     The numerics are those of HF's eager bfloat16 attention (products in bfloat16, softmax in float32).
     """
     B, h, T, hd = q.shape
+    if kernel_attention(q, keys, values):  # float32 on the CPU: each query alone, in our kernel
+        m = mask.mask if isinstance(mask, KeyLayout) else mask
+        out = cpu_kernels.attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), m, hd ** -0.5)
+        return out.transpose(1, 2)
     if T < QUERY_ROWS and B * T <= MAX_FEW_ROWS and cuda_fixed_shape(q):  # the tail's passes at one
         # query count (linear.padded_rows); a padding query attends where the first does
         m = torch.cat([mask, mask[:, :1].expand(-1, QUERY_ROWS - T, -1)], 1)
@@ -284,11 +289,23 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     return out.permute(0, 1, 3, 2, 4).reshape(B, h, T, hd)
 
 
+def kernel_attention(q: Tensor, keys: Tensor, values: Tensor) -> bool:
+    """A decode step's or a verify pass's float32 queries on the CPU go to cpu_kernels.attention,
+    which computes each query from the keys it may see, in order, and nothing else: invariant by
+    construction, and ~10x faster than SDPA at a few queries (SDPA pays its blocking in every
+    layer). Not under autograd (the drafter's unrolled training) nor for many queries (prefill)."""
+    B, _, T, hd = q.shape
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and 0 < B * T <= MAX_FEW_ROWS and hd % 8 == 0
+            and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
+            and cpu_kernels.available())
+
+
 def invariant_attention(q: Tensor) -> bool:
-    """cached_attention computes a query as it would alone (its doc): bfloat16 on CPUs where oneDNN
-    multiplies it (linear.onednn_bf16), which is where torch.matmul sends it. float32 matmul runs in
-    MKL, whose products round a row differently beside others, so float32 keeps SDPA (logits differ
-    from a decode step's by ~1e-6; no flipped token measured)."""
+    """cached_attention's split products compute a query as it would alone (its doc): bfloat16 on
+    CPUs where oneDNN multiplies it (linear.onednn_bf16), which is where torch.matmul sends it.
+    float32 matmul runs in MKL, whose products round a row differently beside others, so float32
+    takes our kernel (kernel_attention) or, where that cannot be built, SDPA (logits differ from a
+    decode step's by ~1e-6; no flipped token measured)."""
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and onednn_bf16()
 
 

@@ -1,4 +1,4 @@
-// Few-row float32 products y = x W^T for CPU decode steps and verify passes (models/gemv.py).
+// Few-row float32 products y = x W^T for CPU decode steps and verify passes (models/cpu_kernels.py).
 //
 // A decode step reads every weight once for one row, so it is bound by how fast the weights stream
 // from memory; a verify pass multiplies the same weights into a few rows. The weight is packed once
@@ -12,31 +12,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
-#ifdef __FMA__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
+using namespace tlt;
 
 constexpr int64_t NB = 16;  // outputs per block: two vectors
 constexpr int RB = 6;       // input rows per tile: RB * 2 accumulators + 2 weights + 1 broadcast <= 16 registers
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline v8 madd(v8 acc, v8 a, v8 b) {
-#ifdef __FMA__
-  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-  return acc + a * b;  // compiled the same way in every tile
-#endif
-}
 
 // R input rows (stride n) by one packed block [n, NB] -> y (row stride ldy), `valid` outputs stored
 template <int R>
@@ -47,7 +30,7 @@ inline void tile(const float* x, const float* wb, int64_t n, float* y, int64_t l
     const v8 w0 = load8(wb + i * NB), w1 = load8(wb + i * NB + 8);
     for (int r = 0; r < R; ++r) {
       const float xi = x[r * n + i];
-      const v8 xb = {xi, xi, xi, xi, xi, xi, xi, xi};
+      const v8 xb = splat(xi);
       acc[r][0] = madd(acc[r][0], xb, w0);
       acc[r][1] = madd(acc[r][1], xb, w1);
     }
@@ -98,9 +81,4 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& packed, int64_t 
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "a float32 [out, in] weight in gemv's blocked layout");
-  m.def("gemv", &gemv, "few-row float32 x @ w.T from the packed weight, row-invariant (csrc/gemv.cpp)");
 }

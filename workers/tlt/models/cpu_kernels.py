@@ -1,13 +1,16 @@
-"""The few-row float32 product of csrc/gemv.cpp, compiled for the CPU at hand on first use.
+"""Our own float32 CPU kernels for decode steps and verify passes, compiled for the CPU at hand on
+first use: a few-row product (csrc/gemv.cpp) and a few-query attention (csrc/attention.cpp).
 
 PyTorch's CPU kernels are built for products of many rows. At one row (a decode step) they read
 the weights far below the memory's speed: on 2 AVX2 EPYC cores SmolLM2's LM head (113 MB in
 float32) took 10 ms through F.linear, two rows 23 ms and seven 34, while a plain sum reads as many
 bytes in 3.5 ms. csrc/gemv.cpp streams a packed copy of the weight once and multiplies each loaded
 vector into up to six rows: 3.7 ms at one row, 6.5 at seven. It is one more candidate for
-linear.tune(), which keeps it only where it measures fastest and row-invariant.
+linear.tune(), which keeps it only where it measures fastest and row-invariant. Its SDPA likewise
+pays its blocking and buffers in every layer for a few queries; `attention` reads the keys each
+query may see, in order, and nothing else (transformer.cached_attention).
 
-Built with the system's C++ compiler into var/build/ (about a minute, once per CPU kind and torch
+Built with the system's C++ compiler into var/build/ (one translation unit, csrc/kernels.cpp; about a minute, once per CPU kind and torch
 version: -march=native code must never run on another CPU), and shared by every process there
 (torch.utils.cpp_extension locks the build). Where it cannot be built the tuner never offers it.
 """
@@ -29,7 +32,8 @@ from .policies import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("kernels.cpp", "gemv.cpp", "attention.cpp", "simd.h")  # kernels.cpp includes the others
 
 
 @functools.cache
@@ -40,7 +44,7 @@ def build_tag() -> str:
                      platform.processor())
     except OSError:
         flags = platform.processor()
-    blob = "|".join([flags, torch.__version__, SOURCE.read_text()])
+    blob = "|".join([flags, torch.__version__, *((CSRC / f).read_text() for f in SOURCES)])
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -51,7 +55,7 @@ def _extension():
         return None
     from torch.utils.cpp_extension import load
 
-    name = f"tlt_gemv_{build_tag()}"
+    name = f"tlt_kernels_{build_tag()}"
     build = REPO_ROOT / "var" / "build" / name
     try:
         if shutil.which("ninja") is None:  # the pinned PyPI ninja: a worker need not have the venv on PATH
@@ -60,11 +64,11 @@ def _extension():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            log.info("building the gemv kernel for this CPU in %s (about a minute, once)", build)
-        return load(name, [str(SOURCE)], build_directory=str(build), verbose=False,
+            log.info("building the CPU kernels for this CPU in %s (about a minute, once)", build)
+        return load(name, [str(CSRC / "kernels.cpp")], build_directory=str(build), verbose=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # a missing compiler or headers: the other kernels still serve
-        log.warning("the gemv kernel could not be built (%s: %s); few-row products use PyTorch's kernels",
+        log.warning("the CPU kernels could not be built (%s: %s); decoding uses PyTorch's kernels",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
 
@@ -82,3 +86,9 @@ def linear(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> 
     """x2 [rows, in] @ w[out, in]^T + bias, float32 on the CPU, from packed = pack(w)."""
     y = _extension().gemv(x2, packed, out)
     return y if bias is None else y.add_(bias)
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Float32 CPU attention of q [B, T, h, hd] over keys/values [B, S, kv, hd] where mask [B, T, S]
+    allows -> [B, T, h, hd]; each query computed alone (csrc/attention.cpp). hd % 8 == 0."""
+    return _extension().attention(q, keys, values, mask, scale)

@@ -1,0 +1,9 @@
+// The CPU kernels' one translation unit (torch's headers are parsed once per build) and bindings.
+#include "gemv.cpp"
+#include "attention.cpp"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "a float32 [out, in] weight in gemv's blocked layout");
+  m.def("gemv", &gemv, "few-row float32 x @ w.T from the packed weight, row-invariant (csrc/gemv.cpp)");
+  m.def("attention", &attention, "few-query float32 attention over a KV cache, query-invariant (csrc/attention.cpp)");
+}
