@@ -10,9 +10,10 @@ linear.tune(), which keeps it only where it measures fastest and row-invariant. 
 pays its blocking and buffers in every layer for a few queries; `attention` reads the keys each
 query may see, in order, and nothing else (transformer.cached_attention).
 
-Built with the system's C++ compiler into var/build/ (one translation unit, csrc/kernels.cpp; about a minute, once per CPU kind and torch
-version: -march=native code must never run on another CPU), and shared by every process there
-(torch.utils.cpp_extension locks the build). Where it cannot be built the tuner never offers it.
+Built with the system's C++ compiler into var/build/ as one translation unit (csrc/kernels.cpp;
+about a minute, once per CPU kind and torch version: -march=native code must never run on another
+CPU), and shared by every process there (torch.utils.cpp_extension locks the build). Where it
+cannot be built the tuner never offers gemv and attention stays on SDPA.
 """
 
 from __future__ import annotations

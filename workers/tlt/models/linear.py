@@ -132,8 +132,8 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)  # inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
         if kernel == "gemv":  # few rows (the bulk kernels are linear and onednn)
-            return cpu_kernels.linear(x2, self._weight_copy("_blocked", cpu_kernels.pack), w.shape[0], self.bias).reshape(
-                *x.shape[:-1], -1)
+            packed = self._weight_copy("_blocked", cpu_kernels.pack)
+            return cpu_kernels.linear(x2, packed, w.shape[0], self.bias).reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:
             y = _onednn(x2, self._packed_weight(), self.bias)
         else:  # a decode step or verify pass: products no larger than those checked row-invariant
