@@ -18,6 +18,7 @@ from workers.tlt.models.linear import KERNELS, MAX_FEW_ROWS, Linear, tune
 def kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TLT_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.delenv("TLT_KERNEL", raising=False)
+    monkeypatch.setattr(linear, "machine_busy", lambda: False)  # whatever else the test machine runs
     return tmp_path / "kernels.json"
 
 
@@ -288,6 +289,17 @@ def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_
         xb = x.to(torch.bfloat16)
         assert torch.equal(half(xb), F.linear(xb, half.weight, half.bias))  # float32 only
     assert calls == [6]
+
+
+def test_choices_timed_on_a_busy_machine_serve_the_process_but_are_not_cached(kernel_cache, monkeypatch):
+    monkeypatch.setattr(linear, "machine_busy", lambda: True)
+    model = _model()
+    chosen = tune(model)
+    assert set(chosen.values()) <= set(KERNELS) and model[0].kernel == chosen["512x256x2"]
+    assert not kernel_cache.exists()
+    monkeypatch.setattr(linear, "machine_busy", lambda: False)
+    tune(_model())  # a quiet process times them again, and keeps them
+    assert kernel_cache.exists() and "512x256x2" in kernel_cache.read_text()
 
 
 def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):

@@ -84,6 +84,7 @@ KERNELS = ("linear", "onednn", "gemv")
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
 BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
+BUSY_SHARE = 0.85  # a probe getting less of its threads' time than this: the machine is crowded (machine_busy)
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 CUDA_FIXED_SHAPES = True  # few-row CUDA inference at one padded shape (padded_rows); off: PyTorch's shapes
@@ -351,6 +352,23 @@ def _write_cache(updates: dict[str, str]) -> None:
         log.warning("could not cache tuned kernels in %s: %s", path, exc)
 
 
+def machine_busy(probes: int = 4, seconds: float = 0.05) -> bool:
+    """Is something else crowding this process's threads? Then kernels timed now were ranked by
+    how they bear the crowd, not by speed: on 2 AVX2 EPYC cores, tuned beside a benchmark and a test
+    run, the tuner once chose oneDNN for SmolLM2's LM head and gate/up, and a quiet re-tune chose
+    gemv and a 12% faster decode step. The probe: a multi-threaded product loop's CPU time over its
+    wall time and threads (median of `probes`). Measured there: ~0.97-1.0 alone, 0.5 beside a
+    2-thread job, 0.46-0.76 beside a 1-thread one."""
+    a = torch.randn(384, 384)
+    shares = []
+    for _ in range(probes):
+        cpu, wall = time.process_time(), time.perf_counter()
+        while time.perf_counter() - wall < seconds:
+            a @ a
+        shares.append((time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads()))
+    return sorted(shares)[len(shares) // 2] < BUSY_SHARE
+
+
 def _best_times(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     """Best of `reps` timed calls of each run; the runs take turns, so a burst of load elsewhere hits
     them all alike, after an untimed first round (it packs the weights and faults pages in)."""
@@ -449,8 +467,9 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
     rows, each row count's time normalised by its best candidate; the lowest total wins unless an
     earlier candidate in KERNELS is within 3% of it (timing noise must not pick a kernel). The
     bulk kernel (`bulk_kernel`) is chosen the same way on one BULK_ROWS-row product per group.
-    Cached on disk; a no-op for models already tuned, on GPUs, for dtypes not in tuned_dtypes()
-    and under TLT_KERNEL (which leaves bulk products on PyTorch's linear).
+    Cached on disk unless the machine was crowded while timing (machine_busy); a no-op for models
+    already tuned, on GPUs, for dtypes not in tuned_dtypes() and under TLT_KERNEL (which leaves bulk
+    products on PyTorch's linear).
     """
     if getattr(model, "_tlt_tuned", False):
         return {}
@@ -499,10 +518,14 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
                     layer._blocked = None
             chosen[f"{shape[0]}x{shape[1]}x{len(group)}"] = kernel
     if fresh:
-        _write_cache(fresh)
         log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s; bulk: %s", time.perf_counter() - t0,
                  cpu_name(), torch.get_num_threads(), chosen,
                  {f"{o}x{i}": g[0].bulk_kernel for ((o, i), _), g in groups.items()})
+        if machine_busy():
+            log.warning("the machine was busy while the kernels were timed: the choice serves this process but is "
+                        "not cached (a quiet process times them again)")
+        else:
+            _write_cache(fresh)
     _tuned(model)
     return chosen
 
