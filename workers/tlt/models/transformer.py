@@ -292,8 +292,9 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
 def kernel_attention(q: Tensor, keys: Tensor, values: Tensor) -> bool:
     """A decode step's or a verify pass's float32 queries on the CPU go to cpu_kernels.attention,
     which computes each query from the keys it may see, in order, and nothing else: invariant by
-    construction, and ~10x faster than SDPA at a few queries (SDPA pays its blocking in every
-    layer). Not under autograd (the drafter's unrolled training) nor for many queries (prefill)."""
+    construction, and 2-3x faster than SDPA per layer at one or two queries (on par at 13; SDPA pays
+    its blocking in every layer). Not under autograd (the drafter's unrolled training) nor for many
+    queries (prefill)."""
     B, _, T, hd = q.shape
     return (q.device.type == "cpu" and q.dtype == torch.float32 and 0 < B * T <= MAX_FEW_ROWS and hd % 8 == 0
             and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
