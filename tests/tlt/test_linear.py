@@ -291,6 +291,38 @@ def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_
     assert calls == [6]
 
 
+@needs_gemv
+def test_the_draft_kernel_multiplies_by_the_weights_rounded_to_bfloat16_and_gives_a_row_its_bits_alone():
+    torch.manual_seed(0)
+    layer = Linear(300, 1001)
+    layer.kernel = linear.DRAFT_KERNEL
+    x = torch.randn(7, 300)
+    rounded = F.linear(x, layer.weight.to(torch.bfloat16).float(), layer.bias)
+    with torch.inference_mode():
+        got = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(7)])
+    torch.testing.assert_close(got, rounded, rtol=1e-5, atol=1e-5)  # float32 sums of the rounded weights
+    assert (got - F.linear(x, layer.weight, layer.bias)).abs().max() > 1e-3  # not the float32 weights
+    assert torch.equal(got, alone)
+    assert layer._blocked[1].dtype == torch.bfloat16
+    with torch.no_grad():  # an optimizer step (spot training) changes the weight: the copy follows
+        layer.weight.mul_(-1)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight.to(torch.bfloat16).float(), layer.bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_gemv
+def test_draft_in_bfloat16_switches_only_the_float32_layers_tuned_to_gemv(monkeypatch):
+    monkeypatch.setenv("TLT_KERNEL", "gemv")
+    model = _model()
+    tune(model)
+    layers = linear._linears(model)
+    layers[0].kernel = "onednn"  # as if the tuner had measured another kernel faster there
+    assert linear.draft_in_bfloat16(model) == len(layers) - 1
+    assert [m.kernel for m in layers] == ["onednn"] + [linear.DRAFT_KERNEL] * (len(layers) - 1)
+    assert linear.draft_in_bfloat16(model) == 0  # idempotent
+
+
 def test_choices_timed_on_a_busy_machine_serve_the_process_but_are_not_cached(kernel_cache, monkeypatch):
     monkeypatch.setattr(linear, "machine_busy", lambda: True)
     model = _model()

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from workers.tlt.models import linear
+from workers.tlt.models import cpu_kernels, linear
 from workers.tlt.models.drafter import Drafter
 from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
 from workers.tlt.rollout.engine import SpecPolicy, generate
@@ -130,6 +130,26 @@ def test_sd_with_a_reduced_draft_vocabulary_equals_plain_decoding(model, drafter
                        spec=SpecPolicy(arm=arm, draft_ids=SUBSET), seed=2)
         assert res.tokens == base.tokens, (arm, kind, batch)
         assert res.metrics.verify_passes > 0
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels cannot be built here")
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafting_from_bfloat16_copies_of_the_drafter_weights_stays_lossless(params, monkeypatch):
+    monkeypatch.setenv("TLT_KERNEL", "gemv")  # every layer on gemv, so the drafter's switch to bfloat16
+    target = _tiny(seed=3)
+    drafter = Drafter.for_target(target)
+    packed = []
+    real = cpu_kernels.linear
+    monkeypatch.setattr(cpu_kernels, "linear", lambda x2, p, *a: packed.append(p.dtype) or real(x2, p, *a))
+    prompts = _prompts(5)
+    base = generate(target, prompts, params, max_new_tokens=24, eos_ids=EOS, seed=2)
+    assert set(packed) == {torch.float32}
+    res = generate(target, prompts, params, max_new_tokens=24, eos_ids=EOS, drafter=drafter,
+                   spec=SpecPolicy(arm="d4k1v4", draft_ids=SUBSET), seed=2)
+    assert res.tokens == base.tokens and res.metrics.verify_passes > 0
+    assert set(packed) == {torch.float32, torch.bfloat16}  # the target's products stay float32
+    assert {m.kernel for m in linear._linears(drafter)} == {linear.DRAFT_KERNEL}
+    assert linear.DRAFT_KERNEL not in {m.kernel for m in linear._linears(target)}
 
 
 def test_draft_vocab_size_uses_the_drafter_token_counts(model):

@@ -145,6 +145,10 @@ class SpecSection(_Section):
                     "for large vocabularies; still lossless (verification uses the target's full distribution). "
                     "0: the full vocabulary.",
     )
+    draft_bf16: bool = Field(
+        spec_defaults.DRAFT_BF16,
+        description="CPU float32 rollouts: draft steps read bfloat16 copies of the drafter's weights (half the "
+                    "bytes per step); still lossless (only the proposals change, verification decides).")
 
     @model_validator(mode="after")
     def _check(self) -> "SpecSection":

@@ -177,7 +177,7 @@ def calibrate_arm(model, drafter, prompt, args, eos) -> tuple[str, dict[str, flo
 
     rates = {}
     for arm in AUTO_ARMS:
-        spec = SpecPolicy(arm=arm, threshold=1, draft_vocab=args.draft_vocab)
+        spec = SpecPolicy(arm=arm, threshold=1, draft_vocab=args.draft_vocab, draft_bf16=args.draft_bf16)
         m = generate(model, [prompt], SamplingParams(temperature=0.0), max_new_tokens=min(args.max_new_tokens, 128),
                      eos_ids=eos, drafter=drafter, spec=spec, harvest_hidden=False).metrics
         rates[arm] = round(m.tail_tokens_per_s_sd, 2)
@@ -192,7 +192,7 @@ def tail_batch1(model, drafter, prompts, args, eos) -> dict[str, Any]:
 
     greedy = SamplingParams(temperature=0.0)
     plain = SpecPolicy(enabled=False, threshold=1)
-    spec = SpecPolicy(arm=args.arm, threshold=1, draft_vocab=args.draft_vocab)
+    spec = SpecPolicy(arm=args.arm, threshold=1, draft_vocab=args.draft_vocab, draft_bf16=args.draft_bf16)
     generate(model, prompts[:1], greedy, max_new_tokens=8, eos_ids=eos, drafter=drafter, spec=spec)  # warm-up
     tok_sd = s_sd = tok_no = s_no = wall_no = tot = 0.0
     identical = True
@@ -285,7 +285,7 @@ def whole_rollout(model, drafter, prompts, args, eos) -> dict[str, Any]:
     greedy = SamplingParams(temperature=0.0)
     base = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos,
                     spec=SpecPolicy(enabled=False, threshold=args.threshold), harvest_hidden=False)
-    spec = SpecPolicy(threshold=args.threshold, draft_vocab=args.draft_vocab, ngram_arm=True,
+    spec = SpecPolicy(threshold=args.threshold, draft_vocab=args.draft_vocab, draft_bf16=args.draft_bf16, ngram_arm=True,
                       strategies=((4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)), epsilon=0.1)
     res = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos, drafter=drafter,
                    spec=spec, harvest_hidden=False)
@@ -355,6 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wall_no, tot = tail.pop("_wall_no"), tail.pop("_tot")
     result: dict[str, Any] = {"bench": "rollout", "model": args.model, "device": args.device, "dtype": args.dtype,
                               "threads": torch.get_num_threads(), "arm": args.arm, "draft_vocab": args.draft_vocab,
+                              "draft_bf16": args.draft_bf16,
                               "max_new_tokens": args.max_new_tokens, "tail_prompts": args.tail_prompts, **tail}
     if calibration is not None:
         result["arm_calibration_tokens_per_s"] = calibration
@@ -388,6 +389,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arm", help="SD arm for the batch-1 figure, e.g. d6k1v6 (chain) or d5k2v8 (tree); auto: the "
                                  f"fastest of {', '.join(AUTO_ARMS)} on a calibration prompt")
     p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary size (0: full vocabulary)")
+    p.add_argument("--draft-bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU float32: draft steps read bfloat16 copies of the drafter's weights (default on)")
     p.add_argument("--tail-prompts", type=int, help="held-out prompts decoded one at a time (batch 1)")
     p.add_argument("--rollout-prompts", type=int, help="held-out prompts of the whole-rollout figure (0: skip)")
     p.add_argument("--threshold", type=int, help="SD switches on at running <= this (whole rollout)")

@@ -79,12 +79,14 @@ def available() -> bool:
 
 
 def pack(w: Tensor) -> Tensor:
-    """A float32 CPU weight [out, in] in the kernel's blocked layout (a copy, made once per weight)."""
+    """A float32 or bfloat16 CPU weight [out, in] in the kernel's blocked layout (a copy, made once
+    per weight; bfloat16 halves the bytes a product streams, for drafters: linear.draft_in_bfloat16)."""
     return _extension().pack(w)
 
 
 def linear(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> Tensor:
-    """x2 [rows, in] @ w[out, in]^T + bias, float32 on the CPU, from packed = pack(w)."""
+    """x2 [rows, in] @ w[out, in]^T + bias, float32 on the CPU (sums in float32 whatever w's dtype),
+    from packed = pack(w)."""
     y = _extension().gemv(x2, packed, out)
     return y if bias is None else y.add_(bias)
 

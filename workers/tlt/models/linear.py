@@ -39,6 +39,10 @@ autograd take the bulk kernel below):
              construction; on 2 AVX2 EPYC cores a SmolLM2 decode step took 40-44 ms through it
              against 62-67 ms through packed oneDNN, a 7-token verify pass 60-65 against 77-100
 
+Drafters only: `gemv_bf16` (DRAFT_KERNEL), gemv over a bfloat16 copy of the weight with float32
+sums, set by draft_in_bfloat16() on the layers the tuner gave gemv. Never tuned, never a target's:
+it does not equal F.linear (the weights are rounded), which only proposals may afford.
+
 Compute-bound products are a separate choice, `Linear.bulk_kernel`: PyTorch's linear, or oneDNN.
 It takes every autograd product (the product and both gradient products, `_OneDNNLinear`; weights
 packed afresh at each call, since every optimizer step changes them) and every inference product
@@ -81,6 +85,7 @@ log = logging.getLogger(__name__)
 
 MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more rows are compute-bound
 KERNELS = ("linear", "onednn", "gemv")
+DRAFT_KERNEL = "gemv_bf16"  # gemv over a bfloat16 copy of the weight: for drafters only (draft_in_bfloat16)
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
 BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
@@ -132,8 +137,8 @@ class Linear(nn.Linear):
         if w.is_inference():  # the kernels' weight copies are keyed by the version counter, which
             return F.linear(x, w, self.bias)  # inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
-        if kernel == "gemv":  # few rows (the bulk kernels are linear and onednn)
-            packed = self._weight_copy("_blocked", cpu_kernels.pack)
+        if kernel in ("gemv", DRAFT_KERNEL):  # few rows (the bulk kernels are linear and onednn)
+            packed = self._weight_copy("_blocked", cpu_kernels.pack if kernel == "gemv" else _pack_bf16)
             return cpu_kernels.linear(x2, packed, w.shape[0], self.bias).reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:
             y = _onednn(x2, self._packed_weight(), self.bias)
@@ -153,7 +158,7 @@ class Linear(nn.Linear):
     def _weight_copy(self, slot: str, make: Callable[[Tensor], Tensor]) -> Tensor:
         """A kernel's copy of the weight in its own layout, made again when the weight changes."""
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        key = (w.data_ptr(), w._version, tuple(w.shape), make)
         held = getattr(self, slot)
         if held is None or held[0] != key:
             held = (key, make(w.detach()))
@@ -212,6 +217,10 @@ def _onednn(x2: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _pack(w: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT)
+
+
+def _pack_bf16(w: Tensor) -> Tensor:
+    return cpu_kernels.pack(w.to(torch.bfloat16))
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -441,7 +450,7 @@ def usable(kernel: str, dtype: torch.dtype) -> bool:
     """Can `kernel` run few-row products of `dtype` here (PyTorch built with oneDNN; gemv built)?"""
     if kernel == "onednn":
         return _ONEDNN
-    if kernel == "gemv":
+    if kernel in ("gemv", DRAFT_KERNEL):
         return dtype == torch.float32 and cpu_kernels.available()
     return True
 
@@ -528,6 +537,24 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
             _write_cache(fresh)
     _tuned(model)
     return chosen
+
+
+def draft_in_bfloat16(model: nn.Module) -> int:
+    """Let a drafter's few-row float32 products read a bfloat16 copy of its weights wherever the
+    tuner chose gemv for them (DRAFT_KERNEL); returns how many layers switched. Call after tune().
+
+    Drafting reads the drafter's weights once per draft step for a handful of rows, so it streams
+    them like a decode step does (SmolLM2's drafter: ~26 MB in float32 with a 4096-token draft head,
+    four times per pass of a depth-4 chain, evicted from the cache by the target's 540 MB between
+    passes); half the bytes is the cheapest speed-up there is. The proposals change by bfloat16's
+    rounding of the weights; verification, which uses the target alone, decides what is emitted,
+    so the rollout stays lossless. Never for a target: its products must equal plain decoding's."""
+    switched = 0
+    for layer in _linears(model):
+        if layer.kernel == "gemv" and layer.weight.dtype == torch.float32:
+            layer.kernel, layer._blocked = DRAFT_KERNEL, None
+            switched += 1
+    return switched
 
 
 def _tuned(model: nn.Module) -> None:

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from . import spec_defaults
 from .bandit import BucketedBandit
-from ..models.linear import tune
+from ..models.linear import draft_in_bfloat16, tune
 from ..models.transformer import Transformer
 from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
@@ -93,13 +93,17 @@ class SpecPolicy:
     # Lossless either way (verification uses the target's full distribution); it makes draft steps cheap.
     draft_vocab: int = spec_defaults.DRAFT_VOCAB
     draft_ids: Sequence[int] | None = None  # explicit draft vocabulary (overrides draft_vocab; tests)
+    # CPU float32: the drafter's few-row products read bfloat16 copies of its weights (half the bytes
+    # each draft step streams; linear.draft_in_bfloat16). Lossless either way: only proposals change.
+    draft_bf16: bool = spec_defaults.DRAFT_BF16
 
     @classmethod
     def from_config(cls, spec, **overrides: Any) -> "SpecPolicy":
         """From config.SpecSection (any object with its fields)."""
         fields = dict(threshold=spec.threshold, strategies=tuple(tuple(s) for s in spec.strategies),
                       ngram_arm=spec.ngram_arm, epsilon=spec.epsilon, buckets=tuple(spec.buckets),
-                      window=spec.window, draft_vocab=getattr(spec, "draft_vocab", 0))
+                      window=spec.window, draft_vocab=getattr(spec, "draft_vocab", 0),
+                      draft_bf16=getattr(spec, "draft_bf16", spec_defaults.DRAFT_BF16))
         return cls(**{**fields, **overrides})
 
     def arms(self, has_drafter: bool) -> list[Arm]:
@@ -395,6 +399,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     head = policy.draft_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
     if head is not None and head.head is not None and dev.type == "cpu":
         tune(head.head)
+    if head is not None and policy.draft_bf16 and dev.type == "cpu":
+        for m in (drafter, head.head):
+            if isinstance(m, torch.nn.Module):
+                draft_in_bfloat16(m)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)

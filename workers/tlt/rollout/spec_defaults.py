@@ -9,3 +9,4 @@ WINDOW = 16  # passes kept per arm and bucket for its rate (tokens / seconds)
 STRATEGIES = ((4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16))  # (depth, top-k, verify)
 NGRAM_ARM = True  # also try the n-gram drafter over the row and its siblings
 DRAFT_VOCAB = 0  # reduced draft vocabulary size (0: the full vocabulary)
+DRAFT_BF16 = True  # CPU float32: drafting reads bfloat16 copies of the drafter's weights (linear.draft_in_bfloat16)

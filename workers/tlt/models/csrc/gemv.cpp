@@ -9,6 +9,11 @@
 // Row invariance by construction: every output element is one fused multiply-add chain along the
 // input, in input order, from zero. Which rows or outputs share its tile never changes its
 // arithmetic, so a row gets the same bits alone (a decode step) as beside others (a verify pass).
+//
+// The packed weight may also be bfloat16 (a drafter's copy: half the bytes to stream, widened to
+// float32 exactly in registers; x, the sums and y stay float32). Only a drafter uses that: its
+// weights then differ from its float32 ones by bfloat16's rounding, which changes what it
+// proposes, never what verification accepts.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,13 +26,25 @@ using namespace tlt;
 constexpr int64_t NB = 16;  // outputs per block: two vectors
 constexpr int RB = 6;       // input rows per tile: RB * 2 accumulators + 2 weights + 1 broadcast <= 16 registers
 
+// eight packed weights as float32: float32 as is, bfloat16 (its bits) widened exactly
+inline v8 weights8(const float* p) { return load8(p); }
+inline v8 weights8(const uint16_t* p) {
+  typedef uint16_t v8h __attribute__((vector_size(16)));
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8i bits = __builtin_convertvector(h, v8i) << 16;
+  v8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 // R input rows (stride n) by one packed block [n, NB] -> y (row stride ldy), `valid` outputs stored
-template <int R>
-inline void tile(const float* x, const float* wb, int64_t n, float* y, int64_t ldy, int64_t valid) {
+template <int R, typename W>
+inline void tile(const float* x, const W* wb, int64_t n, float* y, int64_t ldy, int64_t valid) {
   v8 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t i = 0; i < n; ++i) {
-    const v8 w0 = load8(wb + i * NB), w1 = load8(wb + i * NB + 8);
+    const v8 w0 = weights8(wb + i * NB), w1 = weights8(wb + i * NB + 8);
     for (int r = 0; r < R; ++r) {
       const float xi = x[r * n + i];
       const v8 xb = splat(xi);
@@ -43,18 +60,33 @@ inline void tile(const float* x, const float* wb, int64_t n, float* y, int64_t l
   }
 }
 
-template <int R>
-inline void rest(const float* x, const float* wb, int64_t n, float* y, int64_t ldy, int64_t valid, int64_t rows) {
+template <int R, typename W>
+inline void rest(const float* x, const W* wb, int64_t n, float* y, int64_t ldy, int64_t valid, int64_t rows) {
   if constexpr (R > 0) {
     if (rows == R) return tile<R>(x, wb, n, y, ldy, valid);
     rest<R - 1>(x, wb, n, y, ldy, valid, rows);
   }
 }
 
+// y [rows, out] = x [rows, n] @ W^T from the packed blocks of W
+template <typename W>
+void product(const float* xp, const W* wp, int64_t rows, int64_t n, int64_t out, int64_t blocks, float* yp) {
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const W* wb = wp + b * n * NB;
+      const int64_t valid = std::min(NB, out - b * NB);
+      int64_t r = 0;
+      for (; r + RB <= rows; r += RB) tile<RB>(xp + r * n, wb, n, yp + r * out + b * NB, out, valid);
+      if (r < rows) rest<RB - 1>(xp + r * n, wb, n, yp + r * out + b * NB, out, valid, rows - r);
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "pack: float32 CPU [out, in]");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) &&
+              w.device().is_cpu(), "pack: a float32 or bfloat16 CPU [out, in]");
   const int64_t out = w.size(0), n = w.size(1), blocks = (out + NB - 1) / NB;
   auto padded = torch::zeros({blocks * NB, n}, w.options());
   padded.narrow(0, 0, out).copy_(w);
@@ -63,22 +95,18 @@ torch::Tensor pack(const torch::Tensor& w) {
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& packed, int64_t out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "gemv: float32 CPU x [rows, in]");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x.size(1) && packed.is_contiguous() &&
-              packed.scalar_type() == at::kFloat && (out + NB - 1) / NB == packed.size(0), "gemv: a packed weight (pack)");
+              (bf16 || packed.scalar_type() == at::kFloat) && (out + NB - 1) / NB == packed.size(0),
+              "gemv: a packed weight (pack)");
   const auto xc = x.contiguous();
   const int64_t rows = xc.size(0), n = xc.size(1), blocks = packed.size(0);
   auto y = torch::empty({rows, out}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* wb = wp + b * n * NB;
-      const int64_t valid = std::min(NB, out - b * NB);
-      int64_t r = 0;
-      for (; r + RB <= rows; r += RB) tile<RB>(xp + r * n, wb, n, yp + r * out + b * NB, out, valid);
-      if (r < rows) rest<RB - 1>(xp + r * n, wb, n, yp + r * out + b * NB, out, valid, rows - r);
-    }
-  });
+  if (bf16)
+    product(xp, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), rows, n, out, blocks, yp);
+  else
+    product(xp, packed.data_ptr<float>(), rows, n, out, blocks, yp);
   return y;
 }
