@@ -4,6 +4,7 @@ chooses per machine and caches its choice."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -402,6 +403,17 @@ def test_fused_layers_give_each_part_its_product_and_follow_weight_updates(dtype
     del m.qkv.layer
     copy = pickle.loads(pickle.dumps(m))
     assert copy.qkv._layer is None and copy.qkv.parts[0] is copy.q and copy.qkv.active  # no cached copy
+
+
+@pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
+def test_a_copy_of_a_tuned_model_stacks_on_the_kernels_tuned_for_it(monkeypatch):
+    monkeypatch.setenv("TLT_KERNEL", "onednn")
+    m = _QKV(bias=False, dtype=torch.float32)
+    tune(m)
+    twin = copy.deepcopy(m)  # marked tuned: tune() leaves it as it is
+    assert twin.qkv._layer is None and twin._tlt_tuned
+    assert twin.qkv.layer().kernel == "onednn" and tune(twin) == {}
+    assert pickle.loads(pickle.dumps(m)).qkv.layer().kernel == "onednn"
 
 
 def test_fused_layers_train_through_their_parts():

@@ -185,9 +185,13 @@ class Fused:
         self.sizes = [p.out_features for p in parts]
         self.active = False  # set by tune()
         self._layer: tuple[tuple, Linear] | None = None
+        self._kernels: tuple[str, str] | None = None  # a copied Fused's stacked kernels (__getstate__)
 
     def __getstate__(self):
-        return {**self.__dict__, "_layer": None}  # a cache of copies of the parts' weights
+        # the stacked layer is a cache of copies of the parts' weights, made again on use; the kernels
+        # tuned for it must travel, or a copy of a tuned model (marked tuned) stacks on F.linear
+        kernels = (self._layer[1].kernel, self._layer[1].bulk_kernel) if self._layer else self._kernels
+        return {**self.__dict__, "_layer": None, "_kernels": kernels}
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         w = self.parts[0].weight
@@ -205,8 +209,9 @@ class Fused:
             layer = Linear.frozen(torch.cat([p.weight for p in self.parts]))
             if self.parts[0].bias is not None:
                 layer.bias = nn.Parameter(torch.cat([p.bias for p in self.parts]), requires_grad=False)
-            if self._layer is not None:
-                layer.kernel, layer.bulk_kernel = self._layer[1].kernel, self._layer[1].bulk_kernel
+            kernels = (self._layer[1].kernel, self._layer[1].bulk_kernel) if self._layer else self._kernels
+            if kernels:
+                layer.kernel, layer.bulk_kernel = kernels
             self._layer = (key, layer)
         return self._layer[1]
 
