@@ -8,6 +8,7 @@
     python -m workers.tlt.bench coupling [--set drafter.warmup_prompts=2048 ...]   # drafter/target
                                                    # agreement by coupling rule; --recipes: warm-up recipes
     python -m workers.tlt.bench flips ...          # keyed samples vs batch composition and SD (rounding)
+    python -m workers.tlt.bench draft ...          # one draft's cost: float32 weights vs bfloat16 copies
 
 Each subcommand's LAST stdout line is one JSON object; e2e.py, rollout.py and learner.py say what
 they measure. Benchmarks measure; tests check correctness, never timings.
@@ -77,6 +78,14 @@ def add_flips_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_flips)
 
 
+def add_draft_parser(sub: argparse._SubParsersAction) -> None:
+    from .draft import add_arguments, cmd_draft
+
+    p = sub.add_parser("draft", help="one speculative draft's cost: the drafter's float32 weights vs bfloat16 copies")
+    add_arguments(p)
+    p.set_defaults(func=cmd_draft)
+
+
 def add_set_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help=f"override a preset field {scope}(repeatable; YAML values), e.g. drafter.warmup_steps=800")
@@ -102,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     add_learner_parser(sub)
     add_coupling_parser(sub)
     add_flips_parser(sub)
+    add_draft_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)

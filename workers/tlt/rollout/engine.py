@@ -136,6 +136,18 @@ class SpecPolicy:
             return DraftHead(drafter)
         return DraftHead(drafter, ids, vocab_size, device)
 
+    def drafting_head(self, drafter, vocab_size: int, eos_ids: Sequence[int] = (), device=None) -> DraftHead:
+        """draft_head, with the drafter's and the head's few-row kernels chosen for this machine on a
+        CPU: tuned (cached), and reading bfloat16 copies of the weights where draft_bf16."""
+        head = self.draft_head(drafter, vocab_size, eos_ids, device)
+        if torch.device(device or "cpu").type == "cpu":
+            for m in (drafter, head.head):
+                if isinstance(m, torch.nn.Module):
+                    tune(m)
+                    if self.draft_bf16:
+                        draft_in_bfloat16(m)
+        return head
+
     def new_bandit(self, has_drafter: bool, seed: int = 0) -> BucketedBandit:
         """A bandit over this policy's arms; pass it to every generate() call to learn across steps."""
         return BucketedBandit([a.label for a in self.arms(has_drafter)], self.buckets, epsilon=self.epsilon,
@@ -386,9 +398,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         raise ValueError("need at least one prompt, each with at least one token")
     policy = spec if spec is not None else SpecPolicy(enabled=False)
     arms = {a.label: a for a in policy.arms(drafter is not None)} if policy.enabled else {}
-    for m in (model, drafter if arms else None):  # this machine's fastest few-row kernels (cached)
-        if isinstance(m, torch.nn.Module) and dev.type == "cpu":
-            tune(m)
+    if isinstance(model, torch.nn.Module) and dev.type == "cpu":
+        tune(model)  # this machine's fastest few-row kernels (cached)
     if arms and bandit is None:
         bandit = policy.new_bandit(drafter is not None, seed)
     max_depth = max([a.depth for a in arms.values()] + [1])
@@ -396,13 +407,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     B0 = len(prompts)
     L = max(len(p) for p in prompts) + max_new_tokens + slack
     rows = _Rows(model, drafter, prompts, L, harvest_hidden or drafter is not None, seed)
-    head = policy.draft_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
-    if head is not None and head.head is not None and dev.type == "cpu":
-        tune(head.head)
-    if head is not None and policy.draft_bf16 and dev.type == "cpu":
-        for m in (drafter, head.head):
-            if isinstance(m, torch.nn.Module):
-                draft_in_bfloat16(m)
+    head = policy.drafting_head(drafter, model.config.vocab_size, eos_ids, dev) if drafter is not None and arms else None
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     stats = SpecStats(max_depth, dev)
     m = RolloutMetrics(threshold=policy.threshold)
