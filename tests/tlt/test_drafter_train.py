@@ -274,6 +274,12 @@ def test_the_warmup_recipe_trains_on_the_policys_answers_and_caches_data_and_dra
     again, info2 = drafter_warmup.warmup_drafter(target, task, cfg, **kw)
     assert info2["cached"] and all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
                                                                       drafter.state_dict().values()))
+    # AdamW's final state is cached beside it, one entry per trainable weight, for spot training to resume
+    optimizer = drafter_warmup.warmup_optimizer(info2["folder"])
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    assert len(optimizer["state"]) == len(trainable)
+    assert all(float(s["step"]) == 6 and s["exp_avg_sq"].shape == p.shape
+               for s, p in zip(optimizer["state"].values(), trainable))
     # another training recipe reuses the cached answers instead of generating them again
     calls = []
     real = drafter_warmup.generate_answers
@@ -283,3 +289,27 @@ def test_the_warmup_recipe_trains_on_the_policys_answers_and_caches_data_and_dra
     finally:
         drafter_warmup.generate_answers = real
     assert not info3["cached"] and info3["steps"] == 3 and calls == []
+
+
+def test_spot_training_resumes_the_warmups_adamw_at_its_own_rate(target):
+    """A fresh AdamW's first step moves every weight by its learning rate (m / sqrt(v) = sign(g)); one
+    resumed from the warm-up's moments moves each by what the moments say, mostly far less."""
+    buf = harvested_buffer(target)
+    cfg = DrafterSection(lr=1e-3, batch_tokens=64)
+    warm = DrafterTrainer(Drafter.for_target(target), cfg.model_copy(update={"lr": 3e-3}))
+    warm.train(buf, max_steps=30)  # the warm-up stand-in: its moments and its rate
+    start = {"drafter": warm.drafter_state(), "optimizer": warm.opt.state_dict(), "steps_done": 0}
+    batch = next(buf.batches(cfg.batch_tokens, random.Random(1)))
+
+    def first_update(resume: bool) -> torch.Tensor:
+        spot = DrafterTrainer(Drafter.for_target(target), cfg)
+        spot.load_state_dict(start) if resume else spot.drafter.load_state_dict(start["drafter"])
+        assert all(g["lr"] == cfg.lr for g in spot.opt.param_groups)  # not the warm-up's rate
+        before = spot.drafter.fc.weight.detach().clone()
+        spot.step(batch)
+        return (spot.drafter.fc.weight.detach() - before).abs()
+
+    fresh, resumed = first_update(False), first_update(True)
+    assert float(fresh.median()) == pytest.approx(cfg.lr, rel=0.01)  # a sign step, whatever the gradient
+    assert float(resumed.median()) < 0.5 * cfg.lr
+    assert float(resumed.max()) > 0  # it still learns

@@ -185,6 +185,18 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tlt_run, tmp_path):
     assert len(workers) == 2 and all(w["bandit"] is not None and w["drafter_trainer"]["optimizer"] for w in workers)
 
 
+def test_spot_training_resumes_the_warmups_adamw(tlt_run):
+    """Every worker's spot trainer goes on from the warm-up's AdamW moments: its step count starts at
+    the warm-up's, not at 0 (a fresh AdamW's first steps move every weight by the full rate)."""
+    out, _ = tlt_run
+    first = sorted((out / "checkpoints").glob("step_*"))[0]
+    warm = tiny_cfg().drafter.warmup_steps
+    for w in CheckpointManager.load(first)["state"]["worker_states"]:
+        trainer = w["drafter_trainer"]
+        counts = {float(s["step"]) for s in trainer["optimizer"]["state"].values()}
+        assert counts == {warm + trainer["steps_done"]}
+
+
 def test_preempting_real_drafter_training_leaves_a_whole_update(ray_local):
     """A rollout worker actor with the real DrafterTrainer, preempted mid-update by the driver: the
     update is dropped whole, or it finished first and is whole."""

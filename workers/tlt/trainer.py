@@ -245,7 +245,7 @@ class Trainer:
     def _warmup_drafter(self) -> None:
         """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only;
         learn/drafter_warmup.py: one recipe with the rollout bench, cached across runs)."""
-        from .learn.drafter_warmup import warmup_drafter, weights_digest
+        from .learn.drafter_warmup import warmup_drafter, warmup_optimizer, weights_digest
 
         cfg = self.cfg
         prompts, steps = cfg.drafter.warmup_prompts, cfg.drafter.warmup_steps
@@ -263,6 +263,10 @@ class Trainer:
         self.tracking.progress("drafter_warmup", total, total, "drafter ready" + (" (cached)" if info["cached"] else ""))
         self.drafter.load_state_dict(drafter.state_dict())
         self.drafter.eval()
+        optimizer = warmup_optimizer(info["folder"])
+        if cfg.drafter.spot_training and optimizer is not None:  # spot training resumes the warm-up's AdamW
+            start = {"drafter": drafter.state_dict(), "optimizer": optimizer, "steps_done": 0}
+            self.worker_states = [{"drafter_trainer": start} for _ in self.worker_states]
         self.warmup_info = info
         self.drafter_tokens = info["steps"] * cfg.drafter.warmup_batch_tokens
 

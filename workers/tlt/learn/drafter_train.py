@@ -262,9 +262,13 @@ class DrafterTrainer:
         return {"drafter": self.drafter_state(), "optimizer": self.opt.state_dict(), "steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's trainer state, or the warm-up's (drafter_warmup.warmup_optimizer): AdamW's
+        moments go on from where they were, at this trainer's learning rate."""
         self.drafter.load_state_dict(state["drafter"], strict=True)
         if state.get("optimizer") is not None:
             self.opt.load_state_dict(state["optimizer"])
+            for group in self.opt.param_groups:  # a saved group carries its own rate (the warm-up's last)
+                group["lr"] = self.cfg.lr
         self.steps_done = state.get("steps_done", 0)
 
 

@@ -21,6 +21,8 @@ gradient clip 1, batches of `drafter.warmup_batch_tokens` padded tokens, the sof
 over the `drafter.train_vocab` most frequent tokens of the answers (plus EOS; 0: the whole
 vocabulary). The token frequencies go with the drafter (`Drafter.token_counts`): the reduced
 draft vocabulary (spec.draft_vocab) and spot training's vocabulary are chosen from them.
+AdamW's final state is cached with the drafter (`warmup_optimizer`): spot training on the
+workers resumes from it rather than from fresh moments.
 
 Cost (first run; later runs load the cache in a second): printed as it goes and returned in
 `info` ("generate_s", "train_s"). For SmolLM2-135M on 2 CPU cores see README "Benchmarks".
@@ -55,7 +57,8 @@ if TYPE_CHECKING:  # pydantic: the bench on a bare GPU node passes a plain names
 
 log = logging.getLogger(__name__)
 
-RECIPE_VERSION = 1  # bump when the recipe changes, so cached drafters are trained again
+RECIPE_VERSION = 2  # bump when the recipe changes, so cached drafters are trained again (2: AdamW state kept)
+OPTIMIZER_FILE = "optimizer.pt"  # beside drafter.safetensors: the warm-up's AdamW state (warmup_optimizer)
 GEN_BATCH = 128  # answers decoded together (finished rows leave the batch; the KV cache of 128 x 330 SmolLM2 positions is ~2 GB)
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -132,18 +135,31 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
     drafter, info = fit_drafter(policy, answers, cfg, eos_ids=stop_ids(policy, task), seed=seed, on_progress=on_progress)
     del answers
     return_freed_memory()
+    optimizer = info.pop("optimizer")
     info = {**info, "generate_s": round(generate_s, 1)}
     from safetensors.torch import save_file
 
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    torch.save(optimizer, tmp / OPTIMIZER_FILE)
     (tmp / "info.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     log.info("drafter warm-up: done in %.0f s (top-1 %.3f on its last batches), cached in %s",
              time.perf_counter() - t0, info["train_top1"], folder)
     return drafter, {**info, "cached": False, "folder": str(folder)}
+
+
+def warmup_optimizer(folder: str | Path) -> dict[str, Any] | None:
+    """The AdamW state a cached warm-up ended with (`warmup_drafter`'s info["folder"]), in
+    DrafterTrainer's parameter order; None for a folder cached without it.
+
+    Spot training resumes from it (trainer.py), so a worker's first updates are steps of the warmed
+    moments: a fresh AdamW's first step moves every weight by about its learning rate, whatever the
+    gradient's size (m / sqrt(v) = sign(g)), which on a warmed-up drafter is noise."""
+    path = Path(folder) / OPTIMIZER_FILE
+    return torch.load(path, map_location="cpu") if path.exists() else None
 
 
 def warmup_answers(policy: Transformer, task, cfg: "DrafterSection", *, sampling: SamplingParams, policy_key: str,
@@ -169,7 +185,8 @@ def warmup_answers(policy: Transformer, task, cfg: "DrafterSection", *, sampling
 
 def fit_drafter(policy: Transformer, answers: Sequence[Answer], cfg: "DrafterSection", *, eos_ids: Sequence[int],
                 seed: int = 0, on_progress: Progress | None = None) -> tuple[Drafter, dict[str, Any]]:
-    """A fresh drafter trained by the recipe (module doc) on `answers`; returns it and a summary."""
+    """A fresh drafter trained by the recipe (module doc) on `answers`; returns it and a summary
+    whose "optimizer" is the AdamW state it ended with (warmup_drafter caches it: warmup_optimizer)."""
     V = policy.config.vocab_size
     drafter = Drafter.for_target(policy, seed=seed)
     counts = torch.zeros(V, dtype=torch.float64)
@@ -184,9 +201,10 @@ def fit_drafter(policy: Transformer, answers: Sequence[Answer], cfg: "DrafterSec
     t1 = time.perf_counter()
     for model in (policy, drafter):  # this CPU's fastest kernels for the training products (a no-op on GPUs)
         tune(model)
-    steps, train_top1 = _train(drafter, buf, cfg, vocab, seed, on_progress)
+    steps, train_top1, optimizer = _train(drafter, buf, cfg, vocab, seed, on_progress)
     return drafter.eval(), {"steps": steps, "answers": len(answers), "response_tokens": n_resp, "train_top1": train_top1,
-                            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": cfg.train_vocab}
+                            "train_s": round(time.perf_counter() - t1, 1), "train_vocab": cfg.train_vocab,
+                            "optimizer": optimizer}
 
 
 def return_freed_memory() -> None:
@@ -224,8 +242,8 @@ def _data_spec(policy: Transformer, task, cfg: "DrafterSection", sampling: Sampl
 
 
 def _train(drafter: Drafter, buf: DrafterBuffer, cfg: "DrafterSection", vocab: Tensor | None, seed: int,
-           on_progress: Progress | None) -> tuple[int, float]:
-    """The warm-up's optimizer loop; returns (steps, top-1 over the last tenth of the steps)."""
+           on_progress: Progress | None) -> tuple[int, float, dict[str, Any]]:
+    """The warm-up's optimizer loop; returns (steps, top-1 over the last tenth of the steps, AdamW's state)."""
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -256,4 +274,4 @@ def _train(drafter: Drafter, buf: DrafterBuffer, cfg: "DrafterSection", vocab: T
                     on_progress(step, total, "steps")
     drafter.eval()
     last = accs[-max(1, len(accs) // 10):]
-    return step, sum(a * n for a, n in last) / max(1, sum(n for _, n in last))
+    return step, sum(a * n for a, n in last) / max(1, sum(n for _, n in last)), opt.state_dict()
