@@ -256,6 +256,23 @@ def test_tuning_gives_each_shape_group_one_measured_kernel_and_caches_it(kernel_
     assert [m.bulk_kernel for m in again] == [m.bulk_kernel for m in model]
 
 
+def test_a_drafter_is_tuned_at_the_rows_a_draft_step_multiplies_and_cached_apart(kernel_cache, monkeypatch):
+    """A draft step multiplies a tail's few rows; a kernel that wins only at a verify pass's 16-64 rows
+    must not be chosen for it, and the two choices are kept apart."""
+    timed = []
+    real = linear._time_group
+    monkeypatch.setattr(linear, "_time_group", lambda group, kernels, rows, reps: timed.append(rows)
+                        or real(group, kernels, rows, reps))
+    model = _model()
+    tune(model, rows=linear.DRAFT_ROWS)
+    assert set(timed) == set(linear.DRAFT_ROWS) and max(linear.DRAFT_ROWS) < max(linear.TUNE_ROWS)
+    assert tune(model, rows=linear.DRAFT_ROWS) == {}  # tuned for these rows already
+    timed.clear()
+    tune(model)  # another row mix: timed again, and cached under its own key
+    assert set(timed) == set(linear.TUNE_ROWS)
+    assert kernel_cache.read_text().count("512x256x2") == 4  # the kernel and the bulk kernel, per row mix
+
+
 @pytest.mark.skipif(not linear._ONEDNN, reason="PyTorch built without oneDNN")
 def test_tuning_chooses_only_kernels_that_give_a_row_the_same_bits_beside_others(monkeypatch):
     """A verify pass must round a draft token's logits as the decode step would: a kernel whose

@@ -87,6 +87,7 @@ MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more 
 KERNELS = ("linear", "onednn", "gemv")
 DRAFT_KERNEL = "gemv_bf16"  # gemv over a bfloat16 copy of the weight: for drafters only (draft_in_bfloat16)
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
+DRAFT_ROWS = (1, 2, 4, 8)  # ... for a drafter: a draft step multiplies a tail's rows (x its tree's top-k)
 BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 BUSY_SHARE = 0.85  # a probe getting less of its threads' time than this: the machine is crowded (machine_busy)
@@ -339,14 +340,15 @@ def kernel_cache_path() -> Path:
     return Path(os.environ.get("TLT_KERNEL_CACHE") or default)
 
 
-def _cache_key(shape: tuple[int, int], count: int, dtype: torch.dtype) -> str:
+def _cache_key(shape: tuple[int, int], count: int, dtype: torch.dtype, rows: tuple[int, ...] = TUNE_ROWS) -> str:
     # the model name alone is ambiguous ("AMD EPYC" on both an AVX2 and an AVX-512 part): add the flags
     flags = hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:8]
     # "row-invariant" and the candidates (gemv's build): choices made among other kernels, or
     # before only row-invariant ones were allowed, are not reused
     return (f"{cpu_name()} [{flags}]|torch {torch.__version__}|threads {torch.get_num_threads()}|"
             f"{shape[0]}x{shape[1]}x{count}|{str(dtype).removeprefix('torch.')}|row-invariant|"
-            f"{','.join(KERNELS)} {cpu_kernels.build_tag()}")
+            f"{','.join(KERNELS)} {cpu_kernels.build_tag()}"
+            + ("" if rows == TUNE_ROWS else f"|rows {','.join(map(str, rows))}"))
 
 
 def _read_cache() -> dict[str, str]:
@@ -475,19 +477,20 @@ def _candidates(group: list[Linear]) -> tuple[str, ...]:
 
 
 @torch.inference_mode(False)
-def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
+def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> dict[str, str]:
     """Choose each Linear's kernel for this machine; returns {"<out>x<in>x<count>": kernel}.
 
     Layers are grouped by weight shape and dtype; a group's row-invariant candidates (module doc)
-    are timed over the whole group (its weights stream from memory as in a decode step) at 1..64
-    rows, each row count's time normalised by its best candidate; the lowest total wins unless an
+    are timed over the whole group (its weights stream from memory as in a decode step) at each of
+    `rows` (a target's decode steps and verify passes: 1..64; a drafter's steps: DRAFT_ROWS), each
+    row count's time normalised by its best candidate; the lowest total wins unless an
     earlier candidate in KERNELS is within 3% of it (timing noise must not pick a kernel). The
     bulk kernel (`bulk_kernel`) is chosen the same way on one BULK_ROWS-row product per group.
     Cached on disk unless the machine was crowded while timing (machine_busy); a no-op for models
-    already tuned, on GPUs, for dtypes not in tuned_dtypes() and under TLT_KERNEL (which leaves bulk
-    products on PyTorch's linear).
+    already tuned for these rows, on GPUs, for dtypes not in tuned_dtypes() and under TLT_KERNEL
+    (which leaves bulk products on PyTorch's linear).
     """
-    if getattr(model, "_tlt_tuned", False):
+    if getattr(model, "_tlt_tuned", None) in (rows, True):  # True: kernels set by hand, kept
         return {}
     layers = [m for m in _linears(model) if not m.weight.is_meta]
     if not layers:
@@ -500,7 +503,7 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
             raise ValueError(f"TLT_KERNEL={forced!r}: that kernel cannot run on this machine")
         for layer in layers:
             layer.kernel = forced
-        _tuned(model)
+        _tuned(model, rows)
         return {"*": forced}
     groups: dict[tuple[tuple[int, int], torch.dtype], list[Linear]] = defaultdict(list)
     for layer in layers:
@@ -511,12 +514,12 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
     t0 = time.perf_counter()
     with torch.no_grad():
         for (shape, dtype), group in groups.items():
-            key = _cache_key(shape, len(group), dtype)
+            key = _cache_key(shape, len(group), dtype, rows)
             kernel = cached.get(key)
             if kernel not in KERNELS and len(candidates := _candidates(group)) == 1:
                 kernel = fresh[key] = candidates[0]
             elif kernel not in KERNELS:
-                per_rows = [_time_group(group, candidates, r, reps) for r in TUNE_ROWS]
+                per_rows = [_time_group(group, candidates, r, reps) for r in rows]
                 score = {k: sum(t[k] / min(t.values()) for t in per_rows) for k in candidates}
                 low = min(score.values())
                 kernel = next(k for k in candidates if score[k] <= low * 1.03)
@@ -542,7 +545,7 @@ def tune(model: nn.Module, reps: int = 5) -> dict[str, str]:
                         "not cached (a quiet process times them again)")
         else:
             _write_cache(fresh)
-    _tuned(model)
+    _tuned(model, rows)
     return chosen
 
 
@@ -565,7 +568,7 @@ def draft_in_bfloat16(model: nn.Module) -> int:
     return switched
 
 
-def _tuned(model: nn.Module) -> None:
+def _tuned(model: nn.Module, rows: tuple[int, ...]) -> None:
     for f in _fused(model):
         f.active = True
-    model._tlt_tuned = True
+    model._tlt_tuned = rows  # tuned for these row counts (tune again for others)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from . import spec_defaults
 from .bandit import BucketedBandit
-from ..models.linear import draft_in_bfloat16, tune
+from ..models.linear import DRAFT_ROWS, draft_in_bfloat16, tune
 from ..models.transformer import Transformer
 from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
@@ -143,7 +143,7 @@ class SpecPolicy:
         if torch.device(device or "cpu").type == "cpu":
             for m in (drafter, head.head):
                 if isinstance(m, torch.nn.Module):
-                    tune(m)
+                    tune(m, rows=DRAFT_ROWS)  # timed at the rows a draft step multiplies, not a verify pass's
                     if self.draft_bf16:
                         draft_in_bfloat16(m)
         return head
