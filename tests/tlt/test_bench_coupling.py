@@ -46,10 +46,16 @@ def test_the_spot_curve_measures_a_trained_copy_and_leaves_the_warmed_drafter_al
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     cfg = preset("tiny-cpu", {"drafter": {"batch_tokens": 64, "spot_max_epochs": 4}, "rollout": {"temperature": 1.0}})
     start = keyed_agreement(target, drafter, answers, None, 1.0)
-    curve = spot_curve(target, drafter, cfg, [answers] * 3, answers, None, lr=1e-2)
+    curve = spot_curve(target, drafter, cfg, [answers] * 3, answers, None, lr=1e-2, optimizer=None)
     assert len(curve) == 3 and all(0.0 < a <= 1.0 for a in [start, *curve])
     assert curve[-1] > start + 0.05  # trained on the very answers it is scored on: it must fit them better
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    # resumed from another AdamW's moments (the warm-up's, in the bench), the same data trains otherwise
+    warm = torch.optim.AdamW([p for p in Drafter.for_target(target, seed=0).parameters() if p.requires_grad])
+    for p in (q for g in warm.param_groups for q in g["params"]):
+        warm.state[p] = {"step": torch.tensor(50.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.ones_like(p)}
+    resumed = spot_curve(target, drafter, cfg, [answers] * 3, answers, None, lr=1e-2, optimizer=warm.state_dict())
+    assert resumed != curve
 
 
 def test_chain_tokens_counts_the_emitted_token_and_the_accepted_drafts():

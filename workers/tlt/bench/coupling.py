@@ -24,9 +24,11 @@ and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Ca
 
 `--spot-lrs` also measures what spot training does to the warmed-up drafter: the policy answers
 `--spot-steps` fresh batches of a step's prompts (`task.prompts_per_step`), and a copy of the
-drafter trains on each in turn as a worker does (one AdamW kept across them, the preset's
-`batch_tokens`, `drafter.spot_max_epochs` passes, at least one), at each learning rate; `spot`
-holds the held-out keyed agreement at the preset's temperature after each batch ("before": none).
+drafter trains on each in turn as a worker does (one AdamW kept across them, resumed from the
+warm-up's, the preset's `batch_tokens`, `drafter.spot_max_epochs` passes, at least one), at each
+learning rate; `spot` holds the held-out keyed agreement at the preset's temperature after each
+batch ("before": none), and under "fresh_adamw" the same from fresh AdamW moments (how workers
+trained before they resumed the warm-up's).
 
 `--recipes` compares warm-up recipes instead, cheaply: each (comma-separated `--set` overrides of
 the preset, beside the preset's own recipe) trains a fresh drafter for `--recipe-steps` on the
@@ -139,9 +141,10 @@ def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: f
     return total / max(n, 1)
 
 
-def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: float) -> list[float]:
+def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: float,
+               optimizer: dict[str, Any] | None) -> list[float]:
     """Held-out keyed agreement after spot training a copy of `drafter` on each batch of answers in
-    turn, as a worker trains (module doc)."""
+    turn, as a worker trains (module doc), from the AdamW state `optimizer` (None: fresh moments)."""
     import copy
 
     from ..cluster.spot import step_budget
@@ -150,6 +153,8 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
 
     dc = cfg.drafter.model_copy(update={"lr": lr})
     trainer = DrafterTrainer(copy.deepcopy(drafter), dc, seed=cfg.run.seed)
+    if optimizer is not None:
+        trainer.load_state_dict({"drafter": trainer.drafter.state_dict(), "optimizer": optimizer})
     curve = []
     for step, answers in enumerate(batches, start=1):
         buf = DrafterBuffer(max_tokens=10 ** 12)
@@ -230,7 +235,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_coupling(args: argparse.Namespace) -> int:
     from ..config import preset
-    from ..learn.drafter_warmup import generate_answers, stop_ids, warmup_drafter, weights_digest
+    from ..learn.drafter_warmup import generate_answers, stop_ids, warmup_drafter, warmup_optimizer, weights_digest
     from ..models.linear import cpu_name
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
@@ -286,9 +291,14 @@ def cmd_coupling(args: argparse.Namespace) -> int:
             batches.append(generate_answers(policy, rows, sampling, cap, eos, cfg.run.seed + 2 + k, None))
         out["spot"] = {"before": round(keyed_agreement(policy, drafter, answers, ids, cfg.rollout.temperature), 4),
                        "temperature": cfg.rollout.temperature, "epochs": cfg.drafter.spot_max_epochs or 1,
-                       "response_tokens": [sum(len(t) - p for t, _, p in b) for b in batches], "after_each_step": {}}
+                       "response_tokens": [sum(len(t) - p for t, _, p in b) for b in batches], "after_each_step": {},
+                       "fresh_adamw": {}}
+        resumed = warmup_optimizer(warm["folder"])
+        if resumed is None:
+            raise SystemExit(f"the cached warm-up in {warm['folder']} has no optimizer state: delete it to train again")
         for lr in args.spot_lrs:
             print(f"[bench coupling] spot training at lr {lr:g}", file=sys.stderr, flush=True)
-            out["spot"]["after_each_step"][f"{lr:g}"] = spot_curve(policy, drafter, cfg, batches, answers, ids, lr)
+            for key, optimizer in (("after_each_step", resumed), ("fresh_adamw", None)):
+                out["spot"][key][f"{lr:g}"] = spot_curve(policy, drafter, cfg, batches, answers, ids, lr, optimizer)
     print(json.dumps(out))
     return 0
