@@ -87,7 +87,10 @@ MAX_FEW_ROWS = 64  # decode of a tail batch, or a few rows' verify passes; more 
 KERNELS = ("linear", "onednn", "gemv")
 DRAFT_KERNEL = "gemv_bf16"  # gemv over a bfloat16 copy of the weight: for drafters only (draft_in_bfloat16)
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts each candidate is timed at
-DRAFT_ROWS = (1, 2, 4, 8)  # ... for a drafter: a draft step multiplies a tail's rows (x its tree's top-k)
+# ... for a drafter: a draft step multiplies a tail's rows (x its tree's top-k). Scored over 1..64 rows
+# at a rollout worker's one thread (AVX-512 EPYC), its gate/up and draft head went to oneDNN and a
+# d4k1 draft took 11.5 ms; at these rows every drafter layer takes gemv and it takes 6.1 (bench draft)
+DRAFT_ROWS = (1, 2, 4, 8)
 BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 BUSY_SHARE = 0.85  # a probe getting less of its threads' time than this: the machine is crowded (machine_busy)
