@@ -12,8 +12,9 @@ drafter's weights where a rollout finds them, not warm in the cache. A draft's c
 on what the drafter learned, so the drafters are untrained (hidden states are random too).
 
 Reports the median milliseconds of each, their ratio (`speedup`), and the part of each spent in
-our CPU kernels (`kernel_ms`: products and attention, cpu_kernels.py); the rest is PyTorch's small
-ops and the Python around them. Benchmarks measure; tests check correctness, never timings.
+the kernels (`kernel_ms`: products and attention, ours in cpu_kernels.py or oneDNN's where the
+tuner chose it); the rest is PyTorch's small ops and the Python around them. Benchmarks measure;
+tests check correctness, never timings.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def kernel_clock() -> Iterator[list[float]]:
-    """Seconds spent inside cpu_kernels.linear and cpu_kernels.attention while the block runs: [total]."""
-    from ..models import cpu_kernels
+    """Seconds spent inside the products' and attention's kernels while the block runs: [total]. Ours
+    (cpu_kernels.linear, cpu_kernels.attention) and oneDNN's (linear._onednn), which the tuner may
+    choose for a layer instead."""
+    from ..models import cpu_kernels, linear
 
-    spent, real = [0.0], {name: getattr(cpu_kernels, name) for name in ("linear", "attention")}
+    sites = [(cpu_kernels, "linear"), (cpu_kernels, "attention"), (linear, "_onednn")]
+    spent, real = [0.0], {(module, name): getattr(module, name) for module, name in sites}
 
     def timed(fn):
         def call(*args):
@@ -50,13 +54,13 @@ def kernel_clock() -> Iterator[list[float]]:
                 spent[0] += time.perf_counter() - t
         return call
 
-    for name, fn in real.items():
-        setattr(cpu_kernels, name, timed(fn))
+    for (module, name), fn in real.items():
+        setattr(module, name, timed(fn))
     try:
         yield spent
     finally:
-        for name, fn in real.items():
-            setattr(cpu_kernels, name, fn)
+        for (module, name), fn in real.items():
+            setattr(module, name, fn)
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
