@@ -62,6 +62,10 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert r["amdahl_bound"] == pytest.approx(amdahl_bound(r["rollout_share"], r["rollout_speedup"]))
     assert r["e2e_efficiency"] == pytest.approx(r["e2e_speedup"] / r["amdahl_bound"])
     assert len(r["acceptance_by_step_static"]) == 2 and r["acceptance_length_static"] >= 1.0
+    # the arm-fixed figure the adapted and the static drafter compare on: a 4-deep chain emits 1-5 tokens
+    assert len(r["chain4_acceptance_by_step"]) == len(r["chain4_acceptance_by_step_static"]) == 2
+    assert 1.0 <= r["chain4_acceptance"] <= 5.0 and 1.0 <= r["chain4_acceptance_static"] <= 5.0
+    assert r["chain4_last_fifth_static"] == r["chain4_acceptance_by_step_static"][-1]
     assert "reward_rise_tlt" in r and r["cpu"]
     assert r["step_s_baseline"] > 0 and r["step_s_tlt"] > 0
     assert r["e2e_speedup"] == pytest.approx(r["step_s_baseline"] / r["step_s_tlt"])

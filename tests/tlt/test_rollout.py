@@ -190,6 +190,34 @@ def test_an_exact_drafter_is_accepted_whole_so_its_cache_protocol_is_right(model
     assert by_pos[0] > 0
 
 
+def test_chain_acceptance_holds_the_arm_fixed_so_drafters_compare_whatever_depth_ran(model, drafters):
+    prompts = _prompts(3)
+
+    def run(arm, drafter="oracle"):
+        return generate(model, prompts, GREEDY, max_new_tokens=30, drafter=drafters[drafter],
+                        spec=SpecPolicy(arm=arm)).metrics
+
+    d5, d8 = run("d5k1v5"), run("d8k1v8")
+    # the exact drafter: every pass of either depth accepts all its tokens, so tokens per pass
+    # depend on the depth the bandit would pick, while the fixed 4-deep chain figure does not
+    assert (d5.acceptance_length, d8.acceptance_length) == (6.0, 9.0)
+    assert d5.chain_acceptance() == d8.chain_acceptance() == 5.0
+    assert d5.scalars()["spec/chain4_acceptance"] == 5.0
+
+    noisy = run("d6k1v6", "noisy")  # partial acceptance: 1 + r1 + r1 r2 + ... over the first 4 rates
+    rates = [a / n for a, n in zip(noisy.chain_accepted_by_pos, noisy.chain_attempted_by_pos)]
+    assert 0 < rates[0] < 1
+    want = 1 + sum(torch.tensor(rates[:i + 1]).prod().item() for i in range(4))
+    assert noisy.chain_acceptance() == pytest.approx(want)
+    assert noisy.chain_accepted_by_pos == noisy.accepted_by_pos  # only chain passes ran
+
+    tree = run("d4k3v10", "noisy")  # a tree's first level offers 3 candidates: not booked as a chain
+    assert sum(tree.attempted_by_pos) > 0 and not any(tree.chain_attempted_by_pos)
+    assert "spec/chain4_acceptance" not in tree.scalars()
+    ngram = run("ngram")
+    assert sum(ngram.attempted_by_pos) > 0 and not any(ngram.chain_attempted_by_pos)
+
+
 @pytest.mark.parametrize("arm", ["d4k1v4", "d4k3v10", "off"])
 def test_harvested_hidden_states_and_logprobs_equal_a_fresh_forward(model, drafters, arm):
     prompts = _prompts(5)

@@ -45,9 +45,12 @@ def test_counters_map_to_the_builtin_acceptance_fields():
     m = RolloutMetrics()
     c.fill(m, 3)
     assert m.accepted_hist == [4, 3, 2, 1]
-    assert m.accepted_by_pos == [6, 3, 1] and m.attempted_by_pos == [10, 10, 10]
+    # position j+1 is attempted by the drafts that accepted position j, as in the built-in engine
+    assert m.accepted_by_pos == [6, 3, 1] and m.attempted_by_pos == [10, 6, 3]
     assert m.acceptance_length == pytest.approx(c.acceptance_length) == pytest.approx(2.0)
-    assert m.series()["spec/accept_by_position"] == pytest.approx([0.6, 0.3, 0.1])
+    assert m.series()["spec/accept_by_position"] == pytest.approx([0.6, 0.5, 1 / 3])
+    # vLLM drafts chains: a 3-deep chain's figure is its acceptance length
+    assert m.chain_acceptance(3) == pytest.approx(m.acceptance_length)
 
 
 def test_counters_read_vllm_metric_snapshots_and_difference():

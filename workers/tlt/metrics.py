@@ -51,6 +51,8 @@ SCALAR_KEYS = {
     "rollout/logprob_mismatch": "mean |rollout log-prob - learner log-prob| per token, on the rows the learner ran",
     "rollout/tail_time_frac": "share of the rollout's wall time after 90% of the responses had finished",
     "spec/acceptance_length": "tokens emitted per verify pass while SD was on",
+    "spec/chain4_acceptance": "tokens per pass a 4-deep drafter chain emits at the step's measured rates per "
+                              "position: acceptance with the arm held fixed, so drafters compare on it",
     "spec/switch_on_s": "seconds into the rollout when SD first switched on (-1: never)",
     "drafter/loss": "spot-training loss (last window)",
     "drafter/accuracy": "drafter top-1 agreement with the target on trained tokens",
@@ -79,7 +81,7 @@ SCALAR_KEYS = {
 # acceptance only when SD verified a draft, each tail speed only when that mode ran in the tail,
 # the drafter's loss and accuracy only when a spot-training update was applied, the audit at
 # checkpoints of TLT runs
-WHEN_MEASURED = {"spec/acceptance_length", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
+WHEN_MEASURED = {"spec/acceptance_length", "spec/chain4_acceptance", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
                  "drafter/loss", "drafter/accuracy", "audit/greedy_identical", "audit/greedy_prompts",
                  "audit/acceptance_length", "timing_s/engine_sleep"}
 

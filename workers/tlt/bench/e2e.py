@@ -15,6 +15,9 @@ step-time ratio is TLT's own effect. It reports
     idle_reclaimed_frac  idle worker-seconds used for drafter training, TLT run
     acceptance_length    mean tokens per verify pass while SD was on, TLT run (and per step; and
                          *_static for the frozen drafter)
+    chain4_acceptance    the same with the arm held fixed (a 4-deep chain at the measured rates per
+                         position): the bandit's picks differ between arms and a deeper arm emits
+                         more per pass, so the adapted and the static drafter compare on this one
     reward_by_step_*     each arm's reward curve; reward_rise_* = mean of the last fifth of the
                          steps minus the first fifth's
     profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), every arm
@@ -171,6 +174,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         profile[name]["rollout_tail"] = round(_mean(rows, "rollout/tail_s", skip), 4)
     curves = {name: [round(r["reward/mean"], 4) for r in rows] for name, rows in runs.items()}
     acceptance = {name: [round(r.get("spec/acceptance_length", 0.0), 3) for r in rows] for name, rows in runs.items()}
+    chain4 = {name: [round(r.get("spec/chain4_acceptance", 0.0), 3) for r in rows] for name, rows in runs.items()}
     result: dict[str, Any] = {
         "bench": "e2e",
         "preset": preset_name,
@@ -194,6 +198,8 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "idle_worker_s_tlt": sum(r["idle/worker_s"] for r in t),
         "acceptance_length": _mean(t, "spec/acceptance_length"),
         "acceptance_by_step": acceptance["tlt"],
+        "chain4_acceptance": _mean(t, "spec/chain4_acceptance"),
+        "chain4_acceptance_by_step": chain4["tlt"],
         "tail_tokens_per_s_sd": _mean(t, "rollout/tail_tokens_per_s_sd"),
         "tail_tokens_per_s_no_sd": _mean(b, "rollout/tail_tokens_per_s_no_sd"),
         "reward_tlt": _mean(t, "reward/mean"),
@@ -222,6 +228,11 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         result["acceptance_by_step_static"] = acceptance["static"]
         result["acceptance_last_fifth_tlt"] = round(_fifths(acceptance["tlt"])[1], 3)
         result["acceptance_last_fifth_static"] = round(_fifths(acceptance["static"])[1], 3)
+        # the drafters compared with the arm held fixed (acceptance_length mixes the bandit's picks)
+        result["chain4_acceptance_static"] = _mean(s_rows, "spec/chain4_acceptance")
+        result["chain4_acceptance_by_step_static"] = chain4["static"]
+        result["chain4_last_fifth_tlt"] = round(_fifths(chain4["tlt"])[1], 3)
+        result["chain4_last_fifth_static"] = round(_fifths(chain4["static"])[1], 3)
         result["step_s_static"] = _mean(s_rows, "timing_s/step", skip)
     return result
 

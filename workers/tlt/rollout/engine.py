@@ -53,6 +53,7 @@ from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draf
 log = logging.getLogger(__name__)
 
 OFF, NGRAM = "off", "ngram"
+FIXED_CHAIN_DEPTH = 4  # RolloutMetrics.chain_acceptance's chain: the shallowest chain arm of the presets
 
 
 class Arm(NamedTuple):
@@ -71,6 +72,11 @@ class Arm(NamedTuple):
             raise ValueError(f"bad arm label {label!r}: use off, ngram or d<depth>k<topk>v<verify>")
         d, k, v = int(m[1]), int(m[2]), int(m[3])
         return cls(label, d, k, max(v, d))
+
+    @property
+    def kind(self) -> str:
+        """Which of SpecStats.KINDS a pass of this arm books its acceptance under."""
+        return "ngram" if self.label == NGRAM else "chain" if self.topk == 1 else "tree"
 
 
 @dataclass
@@ -171,6 +177,9 @@ class RolloutMetrics:
     accepted_hist: list[int] = field(default_factory=list)  # [k]: row-passes that accepted k draft tokens
     accepted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes that accepted draft position j+1
     attempted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes with a candidate at position j+1
+    # the same two, the drafter's chain passes only (their rates do not depend on the depths chosen)
+    chain_accepted_by_pos: list[int] = field(default_factory=list)
+    chain_attempted_by_pos: list[int] = field(default_factory=list)
     strategy: dict[str, dict[str, int]] = field(default_factory=dict)  # {bucket label: {arm label: steps}}
     tail_tokens_sd: int = 0  # tokens emitted in the tail by SD passes
     tail_s_sd: float = 0.0
@@ -203,6 +212,18 @@ class RolloutMetrics:
     @property
     def accept_by_position(self) -> list[float]:
         return [a / n if n else 0.0 for a, n in zip(self.accepted_by_pos, self.attempted_by_pos)]
+
+    def chain_acceptance(self, depth: int = FIXED_CHAIN_DEPTH) -> float:
+        """Tokens per pass a `depth`-deep drafter chain emits at the rates per position that this
+        rollout's chain passes measured: 1 + sum over i of prod_{j <= i} rate_j (a position no pass
+        reached counts as rate 0). acceptance_length averages over whatever arms a bandit chose, and
+        a deeper chain or a tree emits more per pass with the same drafter; this figure holds the
+        arm fixed, so two drafters (adapted, static) compare on it."""
+        emitted, reach = 1.0, 1.0
+        for a, n in zip(self.chain_accepted_by_pos[:depth], self.chain_attempted_by_pos[:depth]):
+            reach *= a / n if n else 0.0
+            emitted += reach
+        return emitted
 
     @property
     def tokens_per_s(self) -> float:
@@ -267,6 +288,8 @@ class RolloutMetrics:
         m.accepted_hist = add([p.accepted_hist for p in parts])
         m.accepted_by_pos = add([p.accepted_by_pos for p in parts])
         m.attempted_by_pos = add([p.attempted_by_pos for p in parts])
+        m.chain_accepted_by_pos = add([p.chain_accepted_by_pos for p in parts])
+        m.chain_attempted_by_pos = add([p.chain_attempted_by_pos for p in parts])
         for p in parts:
             for bucket, arms in p.strategy.items():
                 dst = m.strategy.setdefault(bucket, {})
@@ -307,6 +330,8 @@ class RolloutMetrics:
             out["rollout/tail_tokens_per_s_no_sd"] = self.tail_tokens_per_s_no_sd
         if sum(self.accepted_hist):
             out["spec/acceptance_length"] = self.acceptance_length
+        if self.chain_attempted_by_pos[:1] and self.chain_attempted_by_pos[0]:
+            out["spec/chain4_acceptance"] = self.chain_acceptance()
         if self.draft_vocab_coverage >= 0:
             out["spec/draft_vocab_coverage"] = self.draft_vocab_coverage
         return out
@@ -525,7 +550,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             y = out.logits.argmax(-1)
         else:  # the target's draw after each node: the uniform of position n + depth + 1
             y = sample(z.softmax(-1), uniforms(rows.keys, n[:, None] + tree.depth + 1))
-        path, n_acc, nxt = walk(tree, y, stats if T > 1 else None)
+        path, n_acc, nxt = walk(tree, y, stats if T > 1 else None, arm.kind)
         D = path.shape[1] - 1
         j = torch.arange(D + 1, device=dev)
         if D and not tree.chain:
@@ -573,8 +598,11 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long)
         m.draft_vocab_coverage = float(torch.isin(emitted, head.ids.cpu()).float().mean()) if emitted.numel() else 1.0
     m.accepted_hist = stats.hist.tolist()
-    m.accepted_by_pos = stats.accepted.tolist()
-    m.attempted_by_pos = stats.attempted.tolist()
+    m.accepted_by_pos = stats.accepted.sum(0).tolist()
+    m.attempted_by_pos = stats.attempted.sum(0).tolist()
+    chain = SpecStats.KINDS.index("chain")
+    m.chain_accepted_by_pos = stats.accepted[chain].tolist()
+    m.chain_attempted_by_pos = stats.attempted[chain].tolist()
     return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m, out_fd)
 
 

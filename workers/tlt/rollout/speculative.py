@@ -49,13 +49,16 @@ class SpecStats:
 
     max_depth: int
     device: torch.device
-    attempted: Tensor = field(init=False)  # [D] row-passes that had a candidate at draft position j+1
-    accepted: Tensor = field(init=False)  # [D] row-passes that accepted draft position j+1
+    # [len(KINDS), D], one row per kind of pass. A drafter chain's rate at position j+1 does not
+    # depend on how deep the chain goes, so its row compares drafters whatever depths a bandit picked
+    KINDS = ("chain", "tree", "ngram")  # the drafter's chains, the drafter's trees, n-gram drafts
+    attempted: Tensor = field(init=False)  # row-passes that had a candidate at draft position j+1
+    accepted: Tensor = field(init=False)  # row-passes that accepted draft position j+1
     hist: Tensor = field(init=False)  # [D + 1] row-passes by number of accepted draft tokens
 
     def __post_init__(self) -> None:
-        self.attempted = torch.zeros(self.max_depth, dtype=torch.long, device=self.device)
-        self.accepted = torch.zeros(self.max_depth, dtype=torch.long, device=self.device)
+        self.attempted = torch.zeros(len(self.KINDS), self.max_depth, dtype=torch.long, device=self.device)
+        self.accepted = torch.zeros(len(self.KINDS), self.max_depth, dtype=torch.long, device=self.device)
         self.hist = torch.zeros(self.max_depth + 1, dtype=torch.long, device=self.device)
 
 
@@ -368,7 +371,7 @@ def chain_tree(roots: Tensor, proposals: list[list[int]], depth: int) -> Tree:
 
 # --- lossless verification -------------------------------------------------------------------------
 
-def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None, kind: str = "chain") -> tuple[Tensor, Tensor, Tensor]:
     """Accept the drafted path that agrees with the target's own choices: the one verification rule.
 
     y: [B, T] the target's token at every node: its argmax (greedy), or its inverse-CDF draw from
@@ -391,14 +394,15 @@ def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None) -> tuple[Tensor,
     active = torch.ones(B, dtype=torch.bool, device=dev)
     n_acc = torch.zeros(B, dtype=torch.long, device=dev)
     path = [cur]
+    row = SpecStats.KINDS.index(kind)  # which of stats' counters this pass books
     for j in range(tree.max_depth):
         want = y.gather(1, cur[:, None])  # [B, 1] the target's token after the current node
         child = (tree.parent == cur[:, None]) & tree.valid
         match = child & (tree.tokens == want)
         hit = match.any(1) & active
         if stats is not None:
-            stats.attempted[j] += (child.any(1) & active).sum()
-            stats.accepted[j] += hit.sum()
+            stats.attempted[row, j] += (child.any(1) & active).sum()
+            stats.accepted[row, j] += hit.sum()
         cur = torch.where(hit, match.int().argmax(1), cur)
         n_acc += hit.long()
         active = hit

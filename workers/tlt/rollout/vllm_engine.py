@@ -122,12 +122,15 @@ class SpecCounters:
         pos = (self.accepted_per_pos + [0] * depth)[:depth]
         if not self.drafts:
             m.accepted_hist, m.accepted_by_pos, m.attempted_by_pos = [0] * (depth + 1), [0] * depth, [0] * depth
-            return
-        upper = [self.drafts] + pos
-        lower = pos + [0]
-        m.accepted_hist = [u - lo for u, lo in zip(upper, lower)]
-        m.accepted_by_pos = pos
-        m.attempted_by_pos = [self.drafts] * depth  # every draft proposes all k (the schedule is 0 or k)
+        else:
+            upper = [self.drafts] + pos
+            lower = pos + [0]
+            m.accepted_hist = [u - lo for u, lo in zip(upper, lower)]
+            m.accepted_by_pos = pos
+            # as in the built-in engine, position j+1 is attempted by the drafts that accepted position j
+            m.attempted_by_pos = upper[:depth]
+        # vLLM drafts chains only
+        m.chain_accepted_by_pos, m.chain_attempted_by_pos = list(m.accepted_by_pos), list(m.attempted_by_pos)
 
 
 def chain_depth(strategies: Sequence[Sequence[int]], default: int = 4) -> int:
