@@ -66,6 +66,9 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert len(r["chain4_acceptance_by_step"]) == len(r["chain4_acceptance_by_step_static"]) == 2
     assert 1.0 <= r["chain4_acceptance"] <= 5.0 and 1.0 <= r["chain4_acceptance_static"] <= 5.0
     assert r["chain4_last_fifth_static"] == r["chain4_acceptance_by_step_static"][-1]
+    # the learner's share of its cores, per step: what tells a starved learner from SD's effect
+    assert all(len(p["learner_cpu_share_by_step"]) == 2 and min(p["learner_cpu_share_by_step"]) > 0
+               for p in r["profile_s"].values())
     assert "reward_rise_tlt" in r and r["cpu"]
     assert r["step_s_baseline"] > 0 and r["step_s_tlt"] > 0
     assert r["e2e_speedup"] == pytest.approx(r["step_s_baseline"] / r["step_s_tlt"])

@@ -71,6 +71,8 @@ SCALAR_KEYS = {
     "learner/loss": "GRPO loss",
     "learner/grad_norm": "gradient norm before clipping",
     "learner/kl": "KL to the reference (0 when disabled)",
+    "learner/cpu_share": "CPU learners: the step's CPU time over its wall time x threads (well below 1: it "
+                         "waited for cores other processes held)",
     "audit/greedy_identical": "checkpoint audit: share of held-out prompts whose greedy SD output equals plain "
                               "decoding token for token (below 1: a losslessness failure)",
     "audit/greedy_prompts": "checkpoint audit: held-out prompts decoded",
@@ -81,7 +83,7 @@ SCALAR_KEYS = {
 # acceptance only when SD verified a draft, each tail speed only when that mode ran in the tail,
 # the drafter's loss and accuracy only when a spot-training update was applied, the audit at
 # checkpoints of TLT runs
-WHEN_MEASURED = {"spec/acceptance_length", "spec/chain4_acceptance", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
+WHEN_MEASURED = {"spec/acceptance_length", "spec/chain4_acceptance", "learner/cpu_share", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
                  "drafter/loss", "drafter/accuracy", "audit/greedy_identical", "audit/greedy_prompts",
                  "audit/acceptance_length", "timing_s/engine_sleep"}
 

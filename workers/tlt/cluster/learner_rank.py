@@ -7,6 +7,7 @@ explicit device mesh, the GRPO step on this rank's share, publish, and DCP check
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -90,7 +91,13 @@ class LearnerRankImpl:
         return model
 
     def step(self, batch, harvest_hidden: bool) -> dict[str, Any]:
+        wall, cpu = time.perf_counter(), time.process_time()
         metrics = self.learner.step(batch, harvest_hidden=harvest_hidden)
+        if self.device.type == "cpu":
+            # what share of its cores' time the step got: well below 1, the step waited for cores
+            # that other processes held (or, with several ranks, for its peers), not for its own work
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            metrics["learner/cpu_share"] = cpu / max(wall * torch.get_num_threads(), 1e-9)
         hidden = self.learner.last_hidden
         self.learner.last_hidden = None
         return {"metrics": metrics, "hist": self.learner.last_mismatch_hist,
