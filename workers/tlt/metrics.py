@@ -82,10 +82,10 @@ SCALAR_KEYS = {
 # scalars a step reports only when it measured them (a chart shows a gap, never a made-up zero):
 # acceptance only when SD verified a draft, each tail speed only when that mode ran in the tail,
 # the drafter's loss and accuracy only when a spot-training update was applied, the audit at
-# checkpoints of TLT runs
-WHEN_MEASURED = {"spec/acceptance_length", "spec/chain4_acceptance", "learner/cpu_share", "rollout/tail_tokens_per_s_sd", "rollout/tail_tokens_per_s_no_sd",
-                 "drafter/loss", "drafter/accuracy", "audit/greedy_identical", "audit/greedy_prompts",
-                 "audit/acceptance_length", "timing_s/engine_sleep"}
+# checkpoints of TLT runs, the chain figure only when a drafter chain ran, the learner's core share on CPUs
+WHEN_MEASURED = {"spec/acceptance_length", "spec/chain4_acceptance", "rollout/tail_tokens_per_s_sd",
+                 "rollout/tail_tokens_per_s_no_sd", "learner/cpu_share", "drafter/loss", "drafter/accuracy",
+                 "audit/greedy_identical", "audit/greedy_prompts", "audit/acceptance_length", "timing_s/engine_sleep"}
 
 SERIES_KEYS = {
     "rollout/lengths": "list[int]: every response length of the step",

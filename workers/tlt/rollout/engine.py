@@ -53,7 +53,8 @@ from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draf
 log = logging.getLogger(__name__)
 
 OFF, NGRAM = "off", "ngram"
-FIXED_CHAIN_DEPTH = 4  # RolloutMetrics.chain_acceptance's chain: the shallowest chain arm of the presets
+# RolloutMetrics.chain_acceptance's chain (scalar spec/chain4_acceptance): smollm2-mathmix-cpu's shallowest arm
+FIXED_CHAIN_DEPTH = 4
 
 
 class Arm(NamedTuple):
