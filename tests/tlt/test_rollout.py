@@ -205,7 +205,8 @@ def test_chain_acceptance_holds_the_arm_fixed_so_drafters_compare_whatever_depth
     assert d5.scalars()["spec/chain4_acceptance"] == 5.0
 
     noisy = run("d6k1v6", "noisy")  # partial acceptance: 1 + r1 + r1 r2 + ... over the first 4 rates
-    rates = [a / n for a, n in zip(noisy.chain_accepted_by_pos, noisy.chain_attempted_by_pos)]
+    # (a position no pass reached, which the kernels' rounding can decide, counts as rate 0)
+    rates = [a / n if n else 0.0 for a, n in zip(noisy.chain_accepted_by_pos, noisy.chain_attempted_by_pos)]
     assert 0 < rates[0] < 1
     want = 1 + sum(torch.tensor(rates[:i + 1]).prod().item() for i in range(4))
     assert noisy.chain_acceptance() == pytest.approx(want)

@@ -331,7 +331,7 @@ class RolloutMetrics:
             out["rollout/tail_tokens_per_s_no_sd"] = self.tail_tokens_per_s_no_sd
         if sum(self.accepted_hist):
             out["spec/acceptance_length"] = self.acceptance_length
-        if self.chain_attempted_by_pos[:1] and self.chain_attempted_by_pos[0]:
+        if any(self.chain_attempted_by_pos[:1]):  # a drafter chain ran
             out["spec/chain4_acceptance"] = self.chain_acceptance()
         if self.draft_vocab_coverage >= 0:
             out["spec/draft_vocab_coverage"] = self.draft_vocab_coverage
