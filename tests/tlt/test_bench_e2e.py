@@ -69,6 +69,7 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     # the learner's share of its cores, per step: what tells a starved learner from SD's effect
     assert all(len(p["learner_cpu_share_by_step"]) == 2 and min(p["learner_cpu_share_by_step"]) > 0
                for p in r["profile_s"].values())
+    assert all(p["rollout_borrowed"] >= 0 for p in r["profile_s"].values())  # > 0 only where kernels allow
     assert "reward_rise_tlt" in r and r["cpu"]
     assert r["step_s_baseline"] > 0 and r["step_s_tlt"] > 0
     assert r["e2e_speedup"] == pytest.approx(r["step_s_baseline"] / r["step_s_tlt"])

@@ -359,3 +359,44 @@ def test_the_tail_share_and_the_arm_timeline_are_measured_and_merge_per_worker(m
     # hand-made curve: 10 responses, the 9th finishes at 2 s of 10 s: the tail is 80% of the time
     hand = RolloutMetrics(wall_s=10.0, lengths=[1] * 10, running=[(0.0, 10, False), (1.0, 5, False), (2.0, 1, True)])
     assert hand.tail_time_frac == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("kernel", linear.KERNELS)
+def test_a_worker_taking_more_threads_mid_rollout_decodes_the_same_bits(smollm2_shaped, kernel):
+    # rollout workers take a finished peer's core mid-rollout (rollout.lend_idle_cores), at a moment
+    # no one controls: the tokens and log-probs must be those of a rollout that never switched, or
+    # the arms of an A/B (and SD against plain decoding) would part at the first near-tie
+    if not linear.usable(kernel, torch.float32):
+        pytest.skip(f"{kernel} cannot run here")
+    model = smollm2_shaped(torch.float32)
+    for layer in model.modules():
+        if hasattr(layer, "kernel"):
+            layer.kernel = kernel
+    model._tlt_tuned = True
+    invariant = linear.thread_invariant(model, 2)
+    assert invariant or kernel != "gemv"  # gemv gives each output to one thread: invariant by construction
+    prompts = _prompts(3)
+    asked = []
+
+    def two_after_six() -> int:
+        asked.append(torch.get_num_threads())
+        return 1 if len(asked) <= 6 else 2
+
+    try:
+        for spec in (None, SpecPolicy(arm="d4k1v4")):
+            drafter = OracleDrafter(model, noise=0.3, seed=2) if spec else None
+            kw = dict(max_new_tokens=20, eos_ids=EOS, seed=4, spec=spec)
+            ref = generate(model, prompts, SAMPLED, drafter=drafter, **kw)
+            if drafter is not None:
+                drafter.gen.manual_seed(2)  # the same noise: the same drafts, so any difference is the threads'
+            asked.clear()
+            res = generate(model, prompts, SAMPLED, threads=two_after_six, drafter=drafter, **kw)
+            torch.set_num_threads(1)
+            # switched from inside the decode loop where that keeps the bits, kept one thread elsewhere
+            assert (asked[-1] == 2 and res.metrics.borrowed_s > 0) if invariant else res.metrics.borrowed_s == 0
+            assert asked[0] == 1 and len(asked) >= 7  # asked until it said 2
+            assert res.tokens == ref.tokens
+            assert all(torch.equal(a, b) for a, b in zip(res.logprobs, ref.logprobs))
+            assert spec is None or res.metrics.accepted_hist == ref.metrics.accepted_hist
+    finally:
+        torch.set_num_threads(1)

@@ -496,3 +496,57 @@ def test_each_step_keeps_a_few_responses_for_the_sample_viewer(tlt_run):
         assert max(lengths) in [s["length"] for s in samples]  # the longest is always shown
     # SD ran in this run: some shown token came from an accepted draft
     assert any(f for h in history for s in h.series["rollout/samples"] for f in s["from_draft"])
+
+
+def test_a_worker_decodes_on_lent_cores_only_for_the_step_they_were_lent_for(monkeypatch):
+    from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
+    from workers.tlt.models import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("needs the gemv kernel (thread-invariant by construction)")
+    cfg = tiny_cfg(tlt=False)
+    policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
+    worker = RolloutWorkerImpl(0, policy.config, cfg)
+    worker.load_weights(policy.state_dict(), None)
+    for layer in worker.policy.modules():
+        if hasattr(layer, "kernel"):
+            layer.kernel = "gemv"
+    worker.policy._tlt_tuned = True
+    prompts = [[1, 5, 6, 7]] * 3
+    try:
+        own = worker.rollout(3, prompts, [2], seed=0, tlt=False)
+        assert own["metrics"]["borrowed_s"] == 0
+        worker.lend_cores(2, 2)  # late, for a step that is over: ignored
+        assert worker._cores == 1
+        worker.lend_cores(3, 2)  # for the step in progress: its next decode steps take 2 threads
+        lent = worker._generate(prompts, [2], seed=0, tlt=False)
+        assert lent.metrics.borrowed_s > 0 and lent.tokens == own["tokens"]
+        assert all(torch.equal(a, torch.tensor(b)) for a, b in zip(lent.logprobs, own["logprobs"]))
+        again = worker.rollout(4, prompts, [2], seed=0, tlt=False)  # a new step starts on its own core
+        assert again["metrics"]["borrowed_s"] == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("device,engine,lend,expected", [
+    ("cpu", "builtin", True, {1: [(5, 1)], 2: [(5, 1)], 3: [(5, 1)]}),  # 4 workers, 2 cores: one each until 2 run
+    ("cpu", "builtin", False, {}), ("cuda", "builtin", True, {}), ("cpu", "vllm", True, {})])
+def test_the_driver_lends_finished_workers_cores_to_those_still_decoding(monkeypatch, device, engine, lend, expected):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    calls: dict[int, list] = {}
+
+    def worker(j):
+        return SimpleNamespace(lend_cores=SimpleNamespace(remote=lambda step, n: calls.setdefault(j, []).append((step, n))))
+
+    data = tiny_cfg().model_dump(mode="json")
+    data["rollout"].update(engine=engine, lend_idle_cores=lend)
+    driver = SimpleNamespace(cfg=load_config(data), device=device, workers=[worker(j) for j in range(4)])
+    Trainer._lend_cores(driver, 5, [{}, None, None, None])
+    assert calls == expected
+    if expected:
+        Trainer._lend_cores(driver, 5, [{}, {}, None, None])
+        Trainer._lend_cores(driver, 5, [{}, {}, {}, None])
+        Trainer._lend_cores(driver, 5, [{}, {}, {}, {}])  # all in: nobody to lend to
+        assert calls == {1: [(5, 1)], 2: [(5, 1), (5, 1)], 3: [(5, 1), (5, 1), (5, 2)]}

@@ -50,6 +50,8 @@ SCALAR_KEYS = {
     "rollout/tail_tokens_per_s_no_sd": "tokens/s in the tail with SD off (baseline runs, or before the switch)",
     "rollout/logprob_mismatch": "mean |rollout log-prob - learner log-prob| per token, on the rows the learner ran",
     "rollout/tail_time_frac": "share of the rollout's wall time after 90% of the responses had finished",
+    "rollout/borrowed_s": "decode seconds the workers ran on cores their finished peers lent them, summed over "
+                          "workers (CPU workers, rollout.lend_idle_cores)",
     "spec/acceptance_length": "tokens emitted per verify pass while SD was on",
     "spec/chain4_acceptance": "tokens per pass a 4-deep drafter chain emits at the step's measured rates per "
                               "position: acceptance with the arm held fixed, so drafters compare on it",

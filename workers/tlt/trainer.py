@@ -616,6 +616,7 @@ class Trainer:
                 continue
             if kind == "rollout":
                 results[i] = out
+                self._lend_cores(step, results)
                 if spot is not None and not self._spot_failed and any(r is None for r in results):
                     pending[self.workers[i].pack.remote()] = ("pack", i)
             elif kind == "pack" and spot is not None:
@@ -628,6 +629,18 @@ class Trainer:
             for w in self.workers:
                 w.preempt.remote()
         return results, spot
+
+    def _lend_cores(self, step: int, results: list[dict | None]) -> None:
+        """CPU workers (rollout.lend_idle_cores): the cores of the workers whose shards are in go to
+        those still decoding, shared evenly; in the long tail one worker decodes on all of them."""
+        cfg = self.cfg
+        if self.device != "cpu" or cfg.rollout.engine != "builtin" or not cfg.rollout.lend_idle_cores:
+            return
+        running = [j for j, r in enumerate(results) if r is None]
+        if running:
+            cores = min(len(results), os.cpu_count() or 1)  # one thread per worker (_new_worker)
+            for j in running:
+                self.workers[j].lend_cores.remote(step, max(1, cores // len(running)))
 
     def _send(self, spot: "_Spot", jobs: list[tuple[int, dict]]) -> None:
         for i, job in jobs:

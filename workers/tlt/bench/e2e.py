@@ -21,7 +21,9 @@ step-time ratio is TLT's own effect. It reports
     reward_by_step_*     each arm's reward curve; reward_rise_* = mean of the last fifth of the
                          steps minus the first fifth's
     profile_s            mean seconds per step of each phase (sync, rollout, its tail, learner), every arm,
-                         and the learner's share of its cores' time per step (below 1: it waited for cores)
+                         the decode seconds workers ran on cores finished peers lent them
+                         (rollout_borrowed), and the learner's share of its cores' time per step (below 1:
+                         it waited for cores)
     setup_s / wall_s     one-off costs outside the steps (policy, drafter warm-up, actors); whole runs
     cpu, loadavg_*       the machine: figures from a shared machine are only as good as its load
     dtype                the rollout's dtype (model.dtype; bfloat16 takes oneDNN kernels where the CPU has them)
@@ -173,6 +175,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     profile = {name: {p: round(_mean(rows, f"timing_s/{p}", skip), 4) for p in phases} for name, rows in runs.items()}
     for name, rows in runs.items():
         profile[name]["rollout_tail"] = round(_mean(rows, "rollout/tail_s", skip), 4)
+        profile[name]["rollout_borrowed"] = round(_mean(rows, "rollout/borrowed_s", skip), 4)  # on lent cores
         # a learner that waited for cores makes its arm's steps slower through no fault of SD's
         profile[name]["learner_cpu_share_by_step"] = [round(r.get("learner/cpu_share", 0.0), 2) for r in rows]
     curves = {name: [round(r["reward/mean"], 4) for r in rows] for name, rows in runs.items()}

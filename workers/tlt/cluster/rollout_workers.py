@@ -10,7 +10,8 @@ these actors own models:
                     `spot_update(job)` trains the drafter for one whole update from the round's master
                     weights, on a low-priority thread, until done or `preempt()`ed (a call of its own
                     concurrency group, so it lands while an update runs; the training loop reads a
-                    local flag, no remote call per micro-batch).
+                    local flag, no remote call per micro-batch). On CPUs, `lend_cores(step, n)` (also
+                    "control") lets a worker still decoding take the cores of peers whose shards are in.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class RolloutWorkerImpl:
         from ..models.transformer import Transformer
 
         torch.set_num_threads(threads)
+        self.threads = threads  # its own intra-op threads; more while it decodes on lent cores
+        self._cores = threads  # the threads the decode loop may take now (lend_cores)
+        self._step: int | None = None  # the step whose rollout runs (a late lend for another is ignored)
         self.id = worker_id
         self.cfg = cfg
         self.device = torch.device(device)
@@ -222,15 +226,18 @@ class RolloutWorkerImpl:
         spec = self._spec_policy(tlt)
         if tlt and self._bandit is None:  # one bandit per worker, learning over the whole run
             self._bandit = spec.new_bandit(True, seed=self.cfg.run.seed + 1000 * self.id)
+        lends = self.device.type == "cpu" and rc.lend_idle_cores
         return generate(
             self.policy, prompts, params, max_new_tokens=rc.max_new_tokens, eos_ids=eos_ids,
             drafter=self.drafter if tlt else None, spec=spec, bandit=self._bandit if tlt else None,
-            seed=seed, harvest_hidden=tlt and self.spot,
+            seed=seed, harvest_hidden=tlt and self.spot, threads=(lambda: self._cores) if lends else None,
         )
 
     def rollout(self, step: int, prompts: list[list[int]], eos_ids: list[int], seed: int, tlt: bool) -> dict[str, Any]:
         """Generate one sample per prompt row; the records (pack) and spot training follow as their own calls."""
         self._preempted.clear()  # a new step: spot training may run again once this shard is in
+        self._step, self._cores = step, self.threads
+        torch.set_num_threads(self.threads)  # on this thread: the last rollout may have ended on lent cores
         gen_start = time.time()
         res = self._generate(prompts, eos_ids, seed, tlt)
         gen_end = time.time()
@@ -275,6 +282,14 @@ class RolloutWorkerImpl:
         return {"records": refs, "tokens": tokens, "interval": (start, time.time())}
 
     @ray.method(concurrency_group="control")
+    def lend_cores(self, step: int, threads: int) -> bool:
+        """Peers' shards are in (the driver calls this): step `step`'s rollout may decode on `threads`
+        threads from its next decode step on, where that keeps every bit (generate's `threads`)."""
+        if step == self._step:
+            self._cores = max(self.threads, threads)
+        return True
+
+    @ray.method(concurrency_group="control")
     def preempt(self) -> bool:
         """The step's rollout is over (the driver calls this when the last worker's shard is in):
         stop spot training at the next micro-batch; the update in progress is dropped whole."""
@@ -309,6 +324,7 @@ class RolloutWorkerImpl:
         for r in mine:
             buf.add(r["tokens"], r["hidden"], r["response_start"], r["step"])
         state = job["state"]
+        torch.set_num_threads(self.threads)  # this thread's own count: a peer may be decoding on the rest
         self.drafter.load_state_dict(ray.get(state) if isinstance(state, ray.ObjectRef) else state)
         trainer = self._get_trainer()
         trainer.rng = random.Random(job["seed"])

@@ -458,6 +458,38 @@ def row_invariant(layer: Linear, kernel: str) -> bool:
     return True
 
 
+@torch.no_grad()
+def thread_invariant(model: nn.Module, threads: int, rows: tuple[int, ...] = (1, 5, 16)) -> bool:
+    """Do the model's products, as its layers run them now, give the same bits on 1 and on `threads`
+    intra-op threads? A rollout worker may take a finished peer's core mid-rollout (generate's
+    `threads`); where a row's bits depended on the thread count, the arms of an A/B, and SD against
+    plain decoding, would part at the first near-tie. gemv gives each output to one thread, so it
+    is; F.linear's MKL products split their sums by thread count (test_rollout). Checked once per
+    model and thread count, on the calling thread (which the check leaves as it found it)."""
+    checked: dict[int, bool] = model.__dict__.setdefault("_tlt_thread_invariant", {})
+    if threads not in checked:
+        own, ok = torch.get_num_threads(), True
+        gen = torch.Generator().manual_seed(0)
+        layers = [m for m in model.modules() if isinstance(m, Linear)] + [f.layer() for f in _fused(model) if f.active]
+        groups = {(m.kernel, m.bulk_kernel, tuple(m.weight.shape), m.weight.dtype): m for m in layers}
+        try:
+            for layer in groups.values():
+                for n in rows:
+                    x = torch.randn(n, layer.in_features, generator=gen).to(layer.weight.dtype)
+                    torch.set_num_threads(1)
+                    one = layer(x)
+                    torch.set_num_threads(threads)
+                    if not torch.equal(one, layer(x)):
+                        ok = False
+                        break
+                if not ok:
+                    break
+        finally:
+            torch.set_num_threads(own)
+        checked[threads] = ok
+    return checked[threads]
+
+
 def usable(kernel: str, dtype: torch.dtype) -> bool:
     """Can `kernel` run few-row products of `dtype` here (PyTorch built with oneDNN; gemv built)?"""
     if kernel == "onednn":

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from . import spec_defaults
 from .bandit import BucketedBandit
-from ..models.linear import DRAFT_ROWS, draft_in_bfloat16, tune
+from ..models.linear import DRAFT_ROWS, draft_in_bfloat16, thread_invariant, tune
 from ..models.transformer import Transformer
 from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
@@ -187,6 +187,7 @@ class RolloutMetrics:
     tail_tokens_no_sd: int = 0  # tokens emitted in the tail by plain decode steps
     tail_s_no_sd: float = 0.0
     tail_wall_s: float = 0.0  # decode time in the tail (merged: the longest worker's)
+    borrowed_s: float = 0.0  # decode time on more threads than the rollout began with (cores lent by peers)
     draft_vocab_coverage: float = -1.0  # share of emitted tokens inside the reduced draft vocabulary (-1: none)
     # the arm in force over rollout time, [[t_s, arm label], ...] at each change, one list per worker
     arm_timeline: list[list[tuple[float, str]]] = field(default_factory=lambda: [[]])
@@ -296,7 +297,7 @@ class RolloutMetrics:
                 dst = m.strategy.setdefault(bucket, {})
                 for arm, count in arms.items():
                     dst[arm] = dst.get(arm, 0) + int(count)
-        for key in ("tail_tokens_sd", "tail_s_sd", "tail_tokens_no_sd", "tail_s_no_sd"):
+        for key in ("tail_tokens_sd", "tail_s_sd", "tail_tokens_no_sd", "tail_s_no_sd", "borrowed_s"):
             setattr(m, key, sum(getattr(p, key) for p in parts))
         m.tail_wall_s = max((p.tail_wall_s for p in parts), default=0.0)
         covered = [(p.draft_vocab_coverage, p.total_tokens) for p in parts if p.draft_vocab_coverage >= 0]
@@ -324,6 +325,7 @@ class RolloutMetrics:
             "spec/verify_passes": float(self.verify_passes),
             "spec/switch_on_s": self.switch_on_s,
             "rollout/tail_time_frac": self.tail_time_frac,
+            "rollout/borrowed_s": self.borrowed_s,
         }
         if self.tail_s_sd:
             out["rollout/tail_tokens_per_s_sd"] = self.tail_tokens_per_s_sd
@@ -406,7 +408,8 @@ class _Rows:
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
              max_new_tokens: int, eos_ids: Sequence[int] = (), drafter=None, spec: SpecPolicy | None = None,
              bandit: BucketedBandit | None = None, seed: int = 0, harvest_hidden: bool = True, hidden_dtype: torch.dtype = torch.float32,
-             on_progress: Callable[[dict[str, Any]], None] | None = None) -> RolloutResult:
+             on_progress: Callable[[dict[str, Any]], None] | None = None,
+             threads: Callable[[], int] | None = None) -> RolloutResult:
     """Generate a response for every prompt (token id lists; repeat a prompt for n samples).
 
     params: temperature (0 = greedy), top-p, top-k. Stops a sequence at any of eos_ids or after
@@ -416,6 +419,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     seed: the sampling randomness: sample b's tokens depend only on (seed, b, its prompt, the model),
     never on the arms, the batch or SD (sampling.py).
     on_progress: called with {"t", "running", "finished", "sd"} whenever the running count changes.
+    threads: CPU only, asked before every decode step: the intra-op threads the next step may use
+    (a rollout worker whose peers finished takes their cores; rollout_workers.py). The thread count
+    never changes a token: the few-row kernels give each output to one thread (test_rollout.py).
     The device is the model's.
     """
     t0 = time.perf_counter()
@@ -498,6 +504,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     # --- decode ----------------------------------------------------------------------------------
     sd_prev = False
     live_prev = -1
+    own_threads = torch.get_num_threads()
     while True:
         live = sum(rows.alive_host)
         if live == 0:
@@ -508,6 +515,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             keep = [r for r in range(B) if rows.alive_host[r]]
             rows.keep(keep)
             B = live
+        if threads is not None and (want := threads()) != torch.get_num_threads():
+            if thread_invariant(model, want):  # here, on the decoding thread: the count is per thread
+                torch.set_num_threads(want)
+            else:  # a thread count that changes bits would change tokens: keep this rollout's
+                log.info("rollout: not taking %d threads, this model's kernels round differently on them", want)
+                threads = None
         t_step = time.perf_counter()
         arm = Arm(OFF)
         if arms and live <= policy.threshold:
@@ -590,6 +603,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
                 m.count_tail(emitted, dt, sd_on)
         if sd_on:
             m.verify_passes += 1
+        if torch.get_num_threads() > own_threads:
+            m.borrowed_s += dt
 
     m.wall_s = time.perf_counter() - t0
     m.running.append((m.wall_s, 0, sd_prev))
