@@ -420,8 +420,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     never on the arms, the batch or SD (sampling.py).
     on_progress: called with {"t", "running", "finished", "sd"} whenever the running count changes.
     threads: CPU only, asked before every decode step: the intra-op threads the next step may use
-    (a rollout worker whose peers finished takes their cores; rollout_workers.py). The thread count
-    never changes a token: the few-row kernels give each output to one thread (test_rollout.py).
+    (a rollout worker whose peers finished takes their cores; rollout_workers.py). Taken only where
+    the model's products keep every bit on that many threads (linear.thread_invariant), so the
+    thread count never changes a token or a log-prob (test_rollout.py).
     The device is the model's.
     """
     t0 = time.perf_counter()
