@@ -63,9 +63,12 @@
       layout("Share of rollout time in the long tail", { yaxis: { range: [0, 1], tickformat: ".0%" } }));
     draw("chart-lengths", [line("rollout/len_p50", "p50"), line("rollout/len_p90", "p90"),
       line("rollout/len_p99", "p99"), line("rollout/len_max", "max")], layout("Response length (tokens)"));
-    // the arms the bandit picks move acceptance_length; the 4-deep chain figure holds the arm fixed
+    // the arms the bandit picks move acceptance_length; the 4-deep chain figure holds the arm fixed;
+    // per kind of draft, which drafter the picks relied on (a kind that never ran has no points)
     draw("chart-accept", [line("spec/acceptance_length", "acceptance length (arms as picked)"),
-      line("spec/chain4_acceptance", "4-deep chain (arm fixed)")], layout("Acceptance length (tokens / verify pass)"));
+      line("spec/chain4_acceptance", "4-deep chain (arm fixed)"), line("spec/acceptance_chain", "drafter chains"),
+      line("spec/acceptance_tree", "drafter trees"), line("spec/acceptance_ngram", "n-gram drafts")],
+      layout("Acceptance length (tokens / verify pass)"));
     draw("chart-drafter", [line("drafter/loss", "loss"), line("drafter/accuracy", "accuracy", { yaxis: "y2" })],
       layout("Drafter spot training", { yaxis: { title: { text: "loss" } }, yaxis2: { overlaying: "y", side: "right", range: [0, 1] } }));
     var idle = sum("idle/worker_s"), rec = sum("idle/reclaimed_s");

@@ -66,6 +66,9 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert len(r["chain4_acceptance_by_step"]) == len(r["chain4_acceptance_by_step_static"]) == 2
     assert 1.0 <= r["chain4_acceptance"] <= 5.0 and 1.0 <= r["chain4_acceptance_static"] <= 5.0
     assert r["chain4_last_fifth_static"] == r["chain4_acceptance_by_step_static"][-1]
+    # acceptance per kind of draft that ran (drafter chain, tree, n-gram), in both SD arms
+    for kinds in (r["acceptance_by_kind"], r["acceptance_by_kind_static"]):
+        assert kinds and set(kinds) <= {"chain", "tree", "ngram"} and all(v >= 1.0 for v in kinds.values())
     # the learner's share of its cores, per step: what tells a starved learner from SD's effect
     assert all(len(p["learner_cpu_share_by_step"]) == 2 and min(p["learner_cpu_share_by_step"]) > 0
                for p in r["profile_s"].values())

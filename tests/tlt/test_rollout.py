@@ -14,7 +14,7 @@ import torch
 from workers.tlt.models import cpu_kernels, linear
 from workers.tlt.models.drafter import Drafter
 from workers.tlt.models.transformer import ModelConfig, Transformer, init_weights
-from workers.tlt.rollout.engine import SpecPolicy, generate
+from workers.tlt.rollout.engine import RolloutMetrics, SpecPolicy, generate
 from workers.tlt.rollout.sampling import SamplingParams, process, token_logprobs
 
 BOS = 1
@@ -217,6 +217,15 @@ def test_chain_acceptance_holds_the_arm_fixed_so_drafters_compare_whatever_depth
     assert "spec/chain4_acceptance" not in tree.scalars()
     ngram = run("ngram")
     assert sum(ngram.attempted_by_pos) > 0 and not any(ngram.chain_attempted_by_pos)
+
+    # acceptance per kind of draft: each pass books under its kind alone, and kinds merge across workers
+    assert d5.acceptance_by_kind == {"chain": 6.0} and d5.scalars()["spec/acceptance_chain"] == 6.0
+    assert set(tree.acceptance_by_kind) == {"tree"} and set(ngram.acceptance_by_kind) == {"ngram"}
+    assert ngram.scalars()["spec/acceptance_ngram"] == ngram.acceptance_length
+    both = RolloutMetrics.merge([d8, ngram], [0.0, 0.0])
+    assert both.acceptance_by_kind == {"chain": 9.0, "ngram": ngram.acceptance_length}
+    assert sum(both.accepted_hist) == sum(map(sum, both.accepted_hist_by_kind.values()))
+    assert RolloutMetrics.from_dict(json.loads(json.dumps(both.to_dict()))).acceptance_by_kind == both.acceptance_by_kind
 
 
 @pytest.mark.parametrize("arm", ["d4k1v4", "d4k3v10", "off"])

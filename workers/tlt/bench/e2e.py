@@ -15,6 +15,7 @@ step-time ratio is TLT's own effect. It reports
     idle_reclaimed_frac  idle worker-seconds used for drafter training, TLT run
     acceptance_length    mean tokens per verify pass while SD was on, TLT run (and per step; and
                          *_static for the frozen drafter)
+    acceptance_by_kind   the same per kind of draft that ran: the drafter's chains and trees, n-grams
     chain4_acceptance    the same with the arm held fixed (a 4-deep chain at the measured rates per
                          position): the bandit's picks differ between arms and a deeper arm emits
                          more per pass, so the adapted and the static drafter compare on this one
@@ -120,6 +121,14 @@ def _fifths(curve: list[float]) -> tuple[float, float]:
     return sum(curve[:k]) / k, sum(curve[-k:]) / k
 
 
+def _by_kind(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Mean acceptance per step of each kind of draft that ran (drafter chain, tree, n-gram)."""
+    from ..rollout.speculative import SpecStats
+
+    return {kind: round(_mean(rows, f"spec/acceptance_{kind}"), 3) for kind in SpecStats.KINDS
+            if any(f"spec/acceptance_{kind}" in r for r in rows)}
+
+
 def amdahl_bound(rollout_share: float, rollout_speedup: float) -> float:
     """1 / ((1 - r) + r / s): the end-to-end speedup a rollout speedup s allows when rollout is r of a step."""
     if rollout_speedup <= 0:
@@ -206,6 +215,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "acceptance_by_step": acceptance["tlt"],
         "chain4_acceptance": _mean(t, "spec/chain4_acceptance"),
         "chain4_acceptance_by_step": chain4["tlt"],
+        "acceptance_by_kind": _by_kind(t),
         "tail_tokens_per_s_sd": _mean(t, "rollout/tail_tokens_per_s_sd"),
         "tail_tokens_per_s_no_sd": _mean(b, "rollout/tail_tokens_per_s_no_sd"),
         "reward_tlt": _mean(t, "reward/mean"),
@@ -236,6 +246,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         result["acceptance_last_fifth_static"] = round(_fifths(acceptance["static"])[1], 3)
         # the drafters compared with the arm held fixed (acceptance_length mixes the bandit's picks)
         result["chain4_acceptance_static"] = _mean(s_rows, "spec/chain4_acceptance")
+        result["acceptance_by_kind_static"] = _by_kind(s_rows)
         result["chain4_acceptance_by_step_static"] = chain4["static"]
         result["chain4_last_fifth_tlt"] = round(_fifths(chain4["tlt"])[1], 3)
         result["chain4_last_fifth_static"] = round(_fifths(chain4["static"])[1], 3)

@@ -161,6 +161,12 @@ class SpecPolicy:
                               window=self.window, seed=seed)
 
 
+def _tokens_per_pass(hist: Sequence[int]) -> float:
+    """Tokens a verify pass emits on average, from row-passes by number of draft tokens accepted."""
+    n = sum(hist)
+    return sum((k + 1) * c for k, c in enumerate(hist)) / n if n else 0.0
+
+
 @dataclass
 class RolloutMetrics:
     """What one rollout measured (or several, merged). `to_dict()`/`from_dict()` are JSON-able;
@@ -176,6 +182,8 @@ class RolloutMetrics:
     sd_switches: list[tuple[float, bool]] = field(default_factory=list)  # (t_s, on) whenever SD flips
     verify_passes: int = 0  # target passes that verified a draft
     accepted_hist: list[int] = field(default_factory=list)  # [k]: row-passes that accepted k draft tokens
+    # the same by kind of pass (SpecStats.KINDS: drafter chains, drafter trees, n-gram drafts), kinds that ran
+    accepted_hist_by_kind: dict[str, list[int]] = field(default_factory=dict)
     accepted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes that accepted draft position j+1
     attempted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes with a candidate at position j+1
     # the same two, the drafter's chain passes only (their rates do not depend on the depths chosen)
@@ -208,8 +216,12 @@ class RolloutMetrics:
     @property
     def acceptance_length(self) -> float:
         """Tokens emitted per row per verify pass (accepted drafts + the target's own token)."""
-        n = sum(self.accepted_hist)
-        return sum((k + 1) * c for k, c in enumerate(self.accepted_hist)) / n if n else 0.0
+        return _tokens_per_pass(self.accepted_hist)
+
+    @property
+    def acceptance_by_kind(self) -> dict[str, float]:
+        """acceptance_length of each kind of pass that ran: which drafter the bandit's picks relied on."""
+        return {kind: _tokens_per_pass(hist) for kind, hist in self.accepted_hist_by_kind.items() if sum(hist)}
 
     @property
     def accept_by_position(self) -> list[float]:
@@ -288,6 +300,8 @@ class RolloutMetrics:
         m.lengths = [n for p in parts for n in p.lengths]
         m.verify_passes = sum(p.verify_passes for p in parts)
         m.accepted_hist = add([p.accepted_hist for p in parts])
+        for kind in sorted({k for p in parts for k in p.accepted_hist_by_kind}):
+            m.accepted_hist_by_kind[kind] = add([p.accepted_hist_by_kind.get(kind, []) for p in parts])
         m.accepted_by_pos = add([p.accepted_by_pos for p in parts])
         m.attempted_by_pos = add([p.attempted_by_pos for p in parts])
         m.chain_accepted_by_pos = add([p.chain_accepted_by_pos for p in parts])
@@ -333,6 +347,8 @@ class RolloutMetrics:
             out["rollout/tail_tokens_per_s_no_sd"] = self.tail_tokens_per_s_no_sd
         if sum(self.accepted_hist):
             out["spec/acceptance_length"] = self.acceptance_length
+        for kind, value in self.acceptance_by_kind.items():
+            out[f"spec/acceptance_{kind}"] = value
         if any(self.chain_attempted_by_pos[:1]):  # a drafter chain ran
             out["spec/chain4_acceptance"] = self.chain_acceptance()
         if self.draft_vocab_coverage >= 0:
@@ -614,7 +630,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     if head is not None and head.ids is not None:  # low: the draft vocabulary misses what this policy writes
         emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long)
         m.draft_vocab_coverage = float(torch.isin(emitted, head.ids.cpu()).float().mean()) if emitted.numel() else 1.0
-    m.accepted_hist = stats.hist.tolist()
+    m.accepted_hist = stats.hist.sum(0).tolist()
+    m.accepted_hist_by_kind = {kind: h for kind, h in zip(SpecStats.KINDS, stats.hist.tolist()) if sum(h)}
     m.accepted_by_pos = stats.accepted.sum(0).tolist()
     m.attempted_by_pos = stats.attempted.sum(0).tolist()
     chain = SpecStats.KINDS.index("chain")

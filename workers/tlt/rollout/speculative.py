@@ -54,12 +54,12 @@ class SpecStats:
     KINDS = ("chain", "tree", "ngram")  # the drafter's chains, the drafter's trees, n-gram drafts
     attempted: Tensor = field(init=False)  # row-passes that had a candidate at draft position j+1
     accepted: Tensor = field(init=False)  # row-passes that accepted draft position j+1
-    hist: Tensor = field(init=False)  # [D + 1] row-passes by number of accepted draft tokens
+    hist: Tensor = field(init=False)  # [len(KINDS), D + 1] row-passes by number of accepted draft tokens
 
     def __post_init__(self) -> None:
         self.attempted = torch.zeros(len(self.KINDS), self.max_depth, dtype=torch.long, device=self.device)
         self.accepted = torch.zeros(len(self.KINDS), self.max_depth, dtype=torch.long, device=self.device)
-        self.hist = torch.zeros(self.max_depth + 1, dtype=torch.long, device=self.device)
+        self.hist = torch.zeros(len(self.KINDS), self.max_depth + 1, dtype=torch.long, device=self.device)
 
 
 def root_tree(roots: Tensor) -> Tree:
@@ -408,5 +408,5 @@ def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None, kind: str = "cha
         active = hit
         path.append(cur)
     if stats is not None:
-        stats.hist.index_add_(0, n_acc, torch.ones_like(n_acc))
+        stats.hist[row].index_add_(0, n_acc, torch.ones_like(n_acc))
     return torch.stack(path, 1), n_acc, y.gather(1, cur[:, None])[:, 0]

@@ -131,6 +131,7 @@ class SpecCounters:
             m.attempted_by_pos = upper[:depth]
         # vLLM drafts chains only
         m.chain_accepted_by_pos, m.chain_attempted_by_pos = list(m.accepted_by_pos), list(m.attempted_by_pos)
+        m.accepted_hist_by_kind = {"chain": list(m.accepted_hist)} if sum(m.accepted_hist) else {}
 
 
 def chain_depth(strategies: Sequence[Sequence[int]], default: int = 4) -> int:
