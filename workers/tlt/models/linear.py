@@ -471,7 +471,8 @@ def thread_invariant(model: nn.Module, threads: int, rows: tuple[int, ...] = (1,
         own, ok = torch.get_num_threads(), True
         gen = torch.Generator().manual_seed(0)
         layers = [m for m in model.modules() if isinstance(m, Linear)] + [f.layer() for f in _fused(model) if f.active]
-        groups = {(m.kernel, m.bulk_kernel, tuple(m.weight.shape), m.weight.dtype): m for m in layers}
+        # few rows only (decode steps, verify passes): the bulk kernel never runs here
+        groups = {(m.kernel, tuple(m.weight.shape), m.weight.dtype): m for m in layers}
         try:
             for layer in groups.values():
                 for n in rows:
