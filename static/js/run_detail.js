@@ -67,7 +67,8 @@
     // per kind of draft, which drafter the picks relied on (a kind that never ran has no points)
     draw("chart-accept", [line("spec/acceptance_length", "acceptance length (arms as picked)"),
       line("spec/chain4_acceptance", "4-deep chain (arm fixed)"), line("spec/acceptance_chain", "drafter chains"),
-      line("spec/acceptance_tree", "drafter trees"), line("spec/acceptance_ngram", "n-gram drafts")],
+      line("spec/acceptance_tree", "drafter trees"), line("spec/acceptance_ngram", "n-gram drafts"),
+      line("spec/acceptance_hybrid", "n-gram, else drafter")],
       layout("Acceptance length (tokens / verify pass)"));
     draw("chart-drafter", [line("drafter/loss", "loss"), line("drafter/accuracy", "accuracy", { yaxis: "y2" })],
       layout("Drafter spot training", { yaxis: { title: { text: "loss" } }, yaxis2: { overlaying: "y", side: "right", range: [0, 1] } }));

@@ -93,7 +93,7 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=30)
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("arm,kind", [("d4k1v4", "random"), ("d4k1v4", "oracle"), ("d4k1v4", "noisy"),
                                       ("d3k2v6", "noisy"), ("d4k3v10", "oracle"), ("d5k3v16", "random"),
-                                      ("ngram", "random")])
+                                      ("ngram", "random"), ("ngram|d4", "noisy")])
 def test_sd_emits_the_plain_decoding_tokens_token_for_token(model, drafters, arm, kind, params):
     # keyed sampling: the same seed draws the same tokens whatever drafts the target verifies
     for batch in (1, 3, 8):
@@ -228,6 +228,50 @@ def test_chain_acceptance_holds_the_arm_fixed_so_drafters_compare_whatever_depth
     assert RolloutMetrics.from_dict(json.loads(json.dumps(both.to_dict()))).acceptance_by_kind == both.acceptance_by_kind
 
 
+def test_the_hybrid_arm_drafts_n_grams_where_a_row_has_one_and_runs_the_drafter_only_elsewhere(model, drafters,
+                                                                                               monkeypatch):
+    from workers.tlt.rollout import engine
+
+    drafted = []  # rows the drafter drafted for, per call
+
+    def counted(*args, **kwargs):
+        drafted.append(args[4].shape[0])
+        return draft(*args, **kwargs)
+
+    draft = engine.draft
+    monkeypatch.setattr(engine, "draft", counted)
+    prompts = _prompts(3)
+    plain = generate(model, prompts, GREEDY, max_new_tokens=30, eos_ids=EOS)
+    junk = min(set(range(model.config.vocab_size)) - {t for toks in plain.tokens for t in toks})  # never accepted
+
+    def run(propose):
+        drafted.clear()
+        monkeypatch.setattr(engine, "ngram_propose", propose)
+        res = generate(model, prompts, GREEDY, max_new_tokens=30, eos_ids=EOS, drafter=drafters["oracle"],
+                       spec=SpecPolicy(arm="ngram|d4"))
+        assert res.tokens == plain.tokens  # whoever drafts, the target decides
+        return res.metrics, len(drafted)
+
+    # no n-gram matches anywhere: every pass is the (exact) drafter's 4-deep chain, booked as hybrid
+    m, calls = run(lambda ctx, others, n, depth: [])
+    assert calls == m.verify_passes > 0 and m.acceptance_by_kind == {"hybrid": 5.0}
+    # an n-gram draft for every row (here a wrong one): the drafter never runs, nothing is accepted
+    m, calls = run(lambda ctx, others, n, depth: [junk] * depth)
+    assert calls == 0 and m.verify_passes > 0 and m.acceptance_by_kind == {"hybrid": 1.0}
+    # rows whose text has odd length get the n-gram draft, the others the drafter's chain, in one pass
+    m, calls = run(lambda ctx, others, n, depth: [junk] * depth if len(ctx) % 2 else [])
+    assert 0 < calls < m.verify_passes and 1.0 < m.acceptance_by_kind["hybrid"] < 5.0
+
+
+def test_the_hybrid_arm_joins_the_bandit_only_with_a_drafter():
+    policy = SpecPolicy(hybrid_depth=6)
+    assert "ngram|d6" in [a.label for a in policy.arms(has_drafter=True)]
+    assert "ngram|d6" not in [a.label for a in policy.arms(has_drafter=False)]
+    assert "ngram|d6" not in [a.label for a in SpecPolicy().arms(has_drafter=True)]
+    with pytest.raises(ValueError, match="bad arm label"):
+        SpecPolicy(arm="ngram|d0").arms(has_drafter=True)
+
+
 @pytest.mark.parametrize("arm", ["d4k1v4", "d4k3v10", "off"])
 def test_harvested_hidden_states_and_logprobs_equal_a_fresh_forward(model, drafters, arm):
     prompts = _prompts(5)
@@ -271,6 +315,7 @@ def _chi2_pvalue(counts, probs):
 
 @pytest.mark.parametrize("arm,kind,subset", [("d3k1v3", "noisy", None), ("d3k1v3", "random", None),
                                              ("d3k2v6", "noisy", None), ("ngram", "random", None),
+                                             ("ngram|d3", "noisy", None),
                                              ("d3k1v3", "noisy", (0, 2, 3, 5)), ("d3k2v6", "noisy", (0, 3, 5))])
 def test_sampling_with_sd_draws_the_target_distribution(arm, kind, subset):
     # subset: a reduced draft vocabulary (q = 0 outside it); the emitted law must still be exactly p

@@ -142,6 +142,10 @@ class SpecSection(_Section):
         description="Arms as (draft depth, top-k branching, tokens verified per pass); top-k 1 is a chain.",
     )
     ngram_arm: bool = Field(spec_defaults.NGRAM_ARM, description="Also try an n-gram drafter over sibling responses.")
+    hybrid_depth: int = Field(
+        spec_defaults.HYBRID_DEPTH, ge=0, le=64,
+        description="Also try a hybrid arm of this draft depth: each sequence takes the n-gram draft where its own "
+                    "text or its siblings' continue it, else the EAGLE drafter's chain. 0: no hybrid arm.")
     draft_vocab: int = Field(
         spec_defaults.DRAFT_VOCAB, ge=0, le=1_000_000,
         description="Reduced draft vocabulary (FR-Spec): the EAGLE drafter scores only the N most frequent token "
@@ -274,7 +278,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "task": {"kind": "mathmix", "prompts_per_step": 8, "hard_fraction": 0.25},
         "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 1024, "temperature": 0.7},
         # the tail runs at <= 4 rows per worker for most of the rollout (the drills are done in ~20 tokens)
-        "spec": {"threshold": 4, "strategies": [(4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096},
+        # in the batch-1 tail (the late parts of 1024-token rambles) the bandit picked the n-gram arm for
+        # ~60% of passes, and n-grams out-accepted the drafter where they matched: the hybrid arm drafts
+        # n-grams where a row has one and the drafter's chain where it has none
+        "spec": {"threshold": 4, "strategies": [(4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096,
+                 "hybrid_depth": 6},
         # warm-up: 2048 answers cut at 384 tokens (~150k response tokens, nearly all from the word
         # problems whose long answers are what the tail drafts; at 1500 steps held-out keyed agreement
         # 0.63, 0.60 with 1024 answers), a training vocabulary of the 8192 most frequent tokens (a 49k-word LM

@@ -56,6 +56,7 @@ SCALAR_KEYS = {
     "spec/acceptance_chain": "acceptance_length of the drafter's chain passes alone",
     "spec/acceptance_tree": "acceptance_length of the drafter's tree passes alone",
     "spec/acceptance_ngram": "acceptance_length of the n-gram drafts alone (sibling responses' n-grams)",
+    "spec/acceptance_hybrid": "acceptance_length of the hybrid arm's passes (n-gram drafts, else the drafter's chain)",
     "spec/chain4_acceptance": "tokens per pass a 4-deep drafter chain emits at the step's measured rates per "
                               "position: acceptance with the arm held fixed, so drafters compare on it",
     "spec/switch_on_s": "seconds into the rollout when SD first switched on (-1: never)",
@@ -89,7 +90,7 @@ SCALAR_KEYS = {
 # the drafter's loss and accuracy only when a spot-training update was applied, the audit at
 # checkpoints of TLT runs, the chain figure only when a drafter chain ran, the learner's core share on CPUs
 WHEN_MEASURED = {"spec/acceptance_length", "spec/acceptance_chain", "spec/acceptance_tree", "spec/acceptance_ngram",
-                 "spec/chain4_acceptance", "rollout/tail_tokens_per_s_sd",
+                 "spec/acceptance_hybrid", "spec/chain4_acceptance", "rollout/tail_tokens_per_s_sd",
                  "rollout/tail_tokens_per_s_no_sd", "learner/cpu_share", "drafter/loss", "drafter/accuracy",
                  "audit/greedy_identical", "audit/greedy_prompts", "audit/acceptance_length", "timing_s/engine_sleep"}
 

@@ -53,31 +53,36 @@ from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draf
 log = logging.getLogger(__name__)
 
 OFF, NGRAM = "off", "ngram"
+HYBRID = re.compile(r"ngram\|d(\d+)")  # "ngram|d6": each row's n-gram draft where it has one, else the drafter's chain
 # RolloutMetrics.chain_acceptance's chain (scalar spec/chain4_acceptance): smollm2-mathmix-cpu's shallowest arm
 FIXED_CHAIN_DEPTH = 4
 
 
 class Arm(NamedTuple):
-    label: str  # "off", "ngram", or "d{depth}k{topk}v{verify}"
+    label: str  # "off", "ngram", "ngram|d{depth}" or "d{depth}k{topk}v{verify}"
     depth: int = 0  # draft depth (0: no draft)
     topk: int = 1  # branching per tree level (1: chain)
     verify: int = 0  # draft tokens verified per pass (tree arms keep the best `verify` nodes)
 
     @classmethod
     def parse(cls, label: str, ngram_depth: int = 6) -> "Arm":
-        """Parse an arm label: off, ngram or d{depth}k{topk}v{verify} (e.g. d5k3v16)."""
+        """Parse an arm label: off, ngram, ngram|d{depth} or d{depth}k{topk}v{verify} (e.g. d5k3v16)."""
         if label in (OFF, NGRAM):
             return cls(label) if label == OFF else cls(NGRAM, ngram_depth, 1, ngram_depth)
+        if (h := HYBRID.fullmatch(label)) and int(h[1]) >= 1:
+            return cls(label, int(h[1]), 1, int(h[1]))
         m = re.fullmatch(r"d(\d+)k(\d+)v(\d+)", label)
         if not m or int(m[1]) < 1 or int(m[2]) < 1:
-            raise ValueError(f"bad arm label {label!r}: use off, ngram or d<depth>k<topk>v<verify>")
+            raise ValueError(f"bad arm label {label!r}: use off, ngram, ngram|d<depth> or d<depth>k<topk>v<verify>")
         d, k, v = int(m[1]), int(m[2]), int(m[3])
         return cls(label, d, k, max(v, d))
 
     @property
     def kind(self) -> str:
         """Which of SpecStats.KINDS a pass of this arm books its acceptance under."""
-        return "ngram" if self.label == NGRAM else "chain" if self.topk == 1 else "tree"
+        if self.label == NGRAM:
+            return "ngram"
+        return "hybrid" if HYBRID.fullmatch(self.label) else "chain" if self.topk == 1 else "tree"
 
 
 @dataclass
@@ -90,6 +95,10 @@ class SpecPolicy:
     ngram_arm: bool = spec_defaults.NGRAM_ARM  # n-gram drafter over the row itself and its siblings (same prompt)
     ngram_n: int = 3  # longest suffix the n-gram drafter matches (tries n..1)
     ngram_depth: int = 6  # tokens it proposes per pass
+    # the hybrid arm "ngram|d{depth}" (0: none): per row the n-gram draft where the row's text or its
+    # siblings' offer one (free), else the drafter's chain, both `depth` tokens: at batch 1 in a
+    # repetitive tail the n-gram arm wins most passes, but drafts nothing where no n-gram matches
+    hybrid_depth: int = spec_defaults.HYBRID_DEPTH
     off_arm: bool = True  # plain decoding is an arm too: SD switches off where it does not pay
     epsilon: float = spec_defaults.EPSILON  # bandit exploration probability
     buckets: tuple[int, ...] = spec_defaults.BUCKETS  # bandit buckets by batch size: 1, 2-4, 5-20, 21+
@@ -110,6 +119,7 @@ class SpecPolicy:
         fields = dict(threshold=spec.threshold, strategies=tuple(tuple(s) for s in spec.strategies),
                       ngram_arm=spec.ngram_arm, epsilon=spec.epsilon, buckets=tuple(spec.buckets),
                       window=spec.window, draft_vocab=getattr(spec, "draft_vocab", 0),
+                      hybrid_depth=getattr(spec, "hybrid_depth", spec_defaults.HYBRID_DEPTH),
                       draft_bf16=getattr(spec, "draft_bf16", spec_defaults.DRAFT_BF16))
         return cls(**{**fields, **overrides})
 
@@ -122,6 +132,8 @@ class SpecPolicy:
         arms = [Arm(f"d{d}k{k}v{v}", d, k, max(v, d)) for d, k, v in self.strategies] if has_drafter else []
         if self.ngram_arm:
             arms.append(Arm(NGRAM, self.ngram_depth, 1, self.ngram_depth))
+        if self.hybrid_depth and has_drafter:
+            arms.append(Arm.parse(f"ngram|d{self.hybrid_depth}"))
         if self.off_arm or not arms:
             arms.append(Arm(OFF))
         return arms
@@ -182,7 +194,7 @@ class RolloutMetrics:
     sd_switches: list[tuple[float, bool]] = field(default_factory=list)  # (t_s, on) whenever SD flips
     verify_passes: int = 0  # target passes that verified a draft
     accepted_hist: list[int] = field(default_factory=list)  # [k]: row-passes that accepted k draft tokens
-    # the same by kind of pass (SpecStats.KINDS: drafter chains, drafter trees, n-gram drafts), kinds that ran
+    # the same by kind of pass (SpecStats.KINDS: drafter chains and trees, n-gram drafts, hybrid), kinds that ran
     accepted_hist_by_kind: dict[str, list[int]] = field(default_factory=dict)
     accepted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes that accepted draft position j+1
     attempted_by_pos: list[int] = field(default_factory=list)  # [j]: row-passes with a candidate at position j+1
@@ -561,12 +573,18 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         s_max = max(rows.n_host)
         if not sd_on:
             tree = root_tree(roots)
-        elif arm.label == NGRAM:
-            tree = _ngram_tree(rows, roots, prompts, group_of, done_seqs, policy.ngram_n, arm.depth)
-        else:  # a draft token at level j sits at position n + j and uses that position's uniform
-            u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
-            tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                         verify=arm.verify, params=params, u=u, head=head)
+        else:
+            grams = _ngram_proposals(rows, group_of, done_seqs, policy.ngram_n, arm.depth) if arm.kind in (
+                "ngram", "hybrid") else None
+            if grams is not None and (arm.kind == "ngram" or all(g or not alive for g, alive in
+                                                                  zip(grams, rows.alive_host))):
+                tree = chain_tree(roots, grams, arm.depth)  # no drafter step: every live row has its n-gram draft
+            else:  # a draft token at level j sits at position n + j and uses that position's uniform
+                u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
+                tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
+                             verify=arm.verify, params=params, u=u, head=head)
+                if grams is not None:  # hybrid: the drafter's chain only for the rows without an n-gram draft
+                    tree = chain_tree(roots, [g or t for g, t in zip(grams, tree.tokens[:, 1:].tolist())], arm.depth)
 
         # --- one target pass over the tree, lossless acceptance ---
         T = tree.tokens.shape[1]
@@ -640,9 +658,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
     return RolloutResult(out_tokens, out_lp, list(m.lengths), out_eos, out_hidden, m, out_fd)
 
 
-def _ngram_tree(rows: _Rows, roots: Tensor, prompts, group_of: list[int], done_seqs: dict[int, list[np.ndarray]],
-                n_max: int, depth: int, max_siblings: int = 8) -> Tree:
-    """Chain drafts from the n-gram drafter: each row's own text, then up to max_siblings siblings."""
+def _ngram_proposals(rows: _Rows, group_of: list[int], done_seqs: dict[int, list[np.ndarray]], n_max: int,
+                     depth: int, max_siblings: int = 8) -> list[list[int]]:
+    """Each row's n-gram draft (empty: no match, or a finished row): its own text, then up to
+    max_siblings siblings."""
     S = max(rows.n_host) + 1
     seq = rows.seq[:, :S].tolist()
     ctx = [seq[r][:rows.n_host[r] + 1] for r in range(len(rows.ids))]
@@ -660,4 +679,4 @@ def _ngram_tree(rows: _Rows, roots: Tensor, prompts, group_of: list[int], done_s
             if o != r and group_of[rows.ids[o]] == g:
                 others.append(arrays[o])
         proposals.append(ngram_propose(ctx[r], others, n_max, depth))
-    return chain_tree(roots, proposals, depth)
+    return proposals

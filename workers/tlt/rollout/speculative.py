@@ -51,7 +51,7 @@ class SpecStats:
     device: torch.device
     # [len(KINDS), D], one row per kind of pass. A drafter chain's rate at position j+1 does not
     # depend on how deep the chain goes, so its row compares drafters whatever depths a bandit picked
-    KINDS = ("chain", "tree", "ngram")  # the drafter's chains, the drafter's trees, n-gram drafts
+    KINDS = ("chain", "tree", "ngram", "hybrid")  # the drafter's chains and trees, n-gram drafts, n-gram else drafter
     attempted: Tensor = field(init=False)  # row-passes that had a candidate at draft position j+1
     accepted: Tensor = field(init=False)  # row-passes that accepted draft position j+1
     hist: Tensor = field(init=False)  # [len(KINDS), D + 1] row-passes by number of accepted draft tokens
