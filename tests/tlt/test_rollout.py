@@ -253,13 +253,13 @@ def test_the_hybrid_arm_drafts_n_grams_where_a_row_has_one_and_runs_the_drafter_
         return res.metrics, len(drafted)
 
     # no n-gram matches anywhere: every pass is the (exact) drafter's 4-deep chain, booked as hybrid
-    m, calls = run(lambda ctx, others, n, depth: [])
+    m, calls = run(lambda ctx, others, n, depth, n_min: [])
     assert calls == m.verify_passes > 0 and m.acceptance_by_kind == {"hybrid": 5.0}
     # an n-gram draft for every row (here a wrong one): the drafter never runs, nothing is accepted
-    m, calls = run(lambda ctx, others, n, depth: [junk] * depth)
+    m, calls = run(lambda ctx, others, n, depth, n_min: [junk] * depth)
     assert calls == 0 and m.verify_passes > 0 and m.acceptance_by_kind == {"hybrid": 1.0}
     # rows whose text has odd length get the n-gram draft, the others the drafter's chain, in one pass
-    m, calls = run(lambda ctx, others, n, depth: [junk] * depth if len(ctx) % 2 else [])
+    m, calls = run(lambda ctx, others, n, depth, n_min: [junk] * depth if len(ctx) % 2 else [])
     assert 0 < calls < m.verify_passes and 1.0 < m.acceptance_by_kind["hybrid"] < 5.0
 
 

@@ -173,6 +173,10 @@ def test_ngram_drafter_continues_the_longest_match_in_own_text_then_siblings():
     assert ngram_propose([5, 1, 2, 3, 9, 9, 1, 2, 3], [], 3, 4) == [9, 9, 1, 2]
     assert ngram_propose([7, 8, 4], [np.array([1, 7, 8, 4, 6, 6])], 3, 4) == [6, 6]
     assert ngram_propose([7, 8, 4], [np.array([1, 2])], 3, 4) == []
+    # n_min: shorter matches do not count (only "4" recurs here, a 1-token match)
+    assert ngram_propose([4, 6, 8, 4], [], 3, 4) == [6, 8, 4]
+    assert ngram_propose([4, 6, 8, 4], [], 3, 4, n_min=2) == []
+    assert ngram_propose([6, 8, 4, 2, 8, 4], [], 3, 4, n_min=2) == [2, 8, 4]
     tree = chain_tree(torch.tensor([4, 5]), [[1, 2, 3], []], 6)
     assert tree.tokens.tolist() == [[4, 1, 2, 3], [5, 0, 0, 0]]
     assert tree.valid.tolist() == [[True] * 4, [True, False, False, False]]

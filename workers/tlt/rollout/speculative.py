@@ -326,14 +326,15 @@ def tree_from_pool(root: Tensor, ptok: Tensor, pscore: Tensor, ppar: Tensor, pde
 
 # --- the n-gram drafter ----------------------------------------------------------------------------
 
-def ngram_propose(context: Sequence[int], others: Sequence[np.ndarray], n_max: int, depth: int) -> list[int]:
-    """Continue `context` by matching its last n tokens (n = n_max..1, longest first).
+def ngram_propose(context: Sequence[int], others: Sequence[np.ndarray], n_max: int, depth: int,
+                  n_min: int = 1) -> list[int]:
+    """Continue `context` by matching its last n tokens (n = n_max..n_min, longest first).
 
     Looks in the context itself (latest earlier occurrence) and then in `others` (sibling
     sequences of the same prompt); returns up to `depth` tokens that followed the match.
     """
     ctx = np.asarray(context, dtype=np.int64)
-    for n in range(min(n_max, len(ctx) - 1), 0, -1):
+    for n in range(min(n_max, len(ctx) - 1), max(n_min, 1) - 1, -1):
         pat = ctx[-n:]
         own = ctx[:-1]  # a match must end before the last token, so a continuation exists
         if len(own) >= n:
