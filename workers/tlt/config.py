@@ -280,9 +280,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         # the tail runs at <= 4 rows per worker for most of the rollout (the drills are done in ~20 tokens)
         # in the batch-1 tail (the late parts of 1024-token rambles) the bandit picked the n-gram arm for
         # ~60% of passes, and n-grams out-accepted the drafter where they matched: the hybrid arm drafts
-        # n-grams where a row has one and the drafter's chain where it has none
-        "spec": {"threshold": 4, "strategies": [(4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096,
-                 "hybrid_depth": 6},
+        # n-grams where a row has one and the drafter's chain where it has none. Depths 5, not 6: with
+        # the root that is 6 rows, one tile of the CPU's few-row kernel (SpecPolicy.ngram_depth)
+        "spec": {"threshold": 4, "strategies": [(4, 1, 4), (5, 1, 5), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096,
+                 "hybrid_depth": 5},
         # warm-up: 2048 answers cut at 384 tokens (~150k response tokens, nearly all from the word
         # problems whose long answers are what the tail drafts; at 1500 steps held-out keyed agreement
         # 0.63, 0.60 with 1024 answers), a training vocabulary of the 8192 most frequent tokens (a 49k-word LM
