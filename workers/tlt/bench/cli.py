@@ -9,6 +9,7 @@
                                                    # agreement by coupling rule; --recipes: warm-up recipes
     python -m workers.tlt.bench flips ...          # keyed samples vs batch composition and SD (rounding)
     python -m workers.tlt.bench draft ...          # one draft's cost: float32 weights vs bfloat16 copies
+    python -m workers.tlt.bench verify ...         # a verify pass of T tokens vs a decode step
 
 Each subcommand's LAST stdout line is one JSON object; e2e.py, rollout.py and learner.py say what
 they measure. Benchmarks measure; tests check correctness, never timings.
@@ -86,6 +87,15 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_draft)
 
 
+def add_verify_parser(sub: argparse._SubParsersAction) -> None:
+    from .verify import add_arguments, cmd_verify
+
+    p = sub.add_parser("verify", help="a verify pass of T tokens against a decode step, T = 1..10")
+    add_arguments(p)
+    add_set_argument(p)
+    p.set_defaults(func=cmd_verify)
+
+
 def add_set_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help=f"override a preset field {scope}(repeatable; YAML values), e.g. drafter.warmup_steps=800")
@@ -112,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     add_coupling_parser(sub)
     add_flips_parser(sub)
     add_draft_parser(sub)
+    add_verify_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,22 @@
+"""`bench verify`: one JSON line with a verify pass's milliseconds per token count, on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workers.tlt.bench.cli import main
+
+from test_bench_e2e import TINY  # the tiny shape whose SFT'd policy the tests cache and share
+
+
+def test_verify_times_every_token_count_against_a_decode_step(capsys):
+    shape = [f"model.{k}={v}" for k, v in TINY["model"].items()]
+    args = ["verify", "--preset", "tiny-cpu", "--max-tokens", "4", "--passes", "2", "--keys", "12"]
+    assert main(args + [x for s in shape for x in ("--set", s)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["bench"] == "verify" and out["keys"] == 12 and out["dtype"] == "float32"
+    assert list(out["verify_ms"]) == ["1", "2", "3", "4"] and all(ms > 0 for ms in out["verify_ms"].values())
+    assert out["ratio_to_decode"]["1"] == 1.0
+    assert out["ratio_to_decode"]["4"] == pytest.approx(out["verify_ms"]["4"] / out["verify_ms"]["1"], rel=1e-2)
