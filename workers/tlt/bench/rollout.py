@@ -286,7 +286,8 @@ def whole_rollout(model, drafter, prompts, args, eos) -> dict[str, Any]:
     base = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos,
                     spec=SpecPolicy(enabled=False, threshold=args.threshold), harvest_hidden=False)
     spec = SpecPolicy(threshold=args.threshold, draft_vocab=args.draft_vocab, draft_bf16=args.draft_bf16, ngram_arm=True,
-                      strategies=((4, 1, 4), (6, 1, 6), (8, 1, 8), (5, 2, 8)), epsilon=0.1)
+                      strategies=((4, 1, 4), (5, 1, 5), (8, 1, 8), (5, 2, 8)), hybrid_depth=5,
+                      epsilon=0.1)  # smollm2-mathmix-cpu's arms
     res = generate(model, prompts, greedy, max_new_tokens=args.max_new_tokens, eos_ids=eos, drafter=drafter,
                    spec=spec, harvest_hidden=False)
     mb, ms = base.metrics, res.metrics
