@@ -35,15 +35,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import preset
-    from .e2e import parse_overrides
     from ..models.linear import cpu_flags, cpu_name, tune
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
     from ..trainer import resolve_dtype
+    from .e2e import parse_overrides
 
     if args.max_tokens < 1 or args.passes < 1 or args.keys < 1:
         raise SystemExit("--max-tokens, --passes and --keys must be at least 1")
-    cfg = resolve_dtype(preset(args.preset, parse_overrides(args.set)), "cpu")  # the dtype a CPU run of the preset decodes in
+    # the dtype a CPU run of the preset decodes in
+    cfg = resolve_dtype(preset(args.preset, parse_overrides(args.set)), "cpu")
     dtype = getattr(torch, cfg.model.dtype)
     target = Transformer.from_pretrained(prepare_policy_folder(cfg), dtype=dtype).eval()
     tune(target)

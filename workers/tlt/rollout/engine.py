@@ -578,20 +578,20 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         bidx = torch.arange(B, device=dev)
         roots = rows.seq[bidx, n]
         s_max = max(rows.n_host)
+        grams = None  # each row's n-gram draft (the n-gram and hybrid arms)
+        if sd_on and arm.kind in ("ngram", "hybrid"):
+            grams = _ngram_proposals(rows, group_of, done_seqs, policy.ngram_n, arm.depth,
+                                     HYBRID_NGRAM_MIN if arm.kind == "hybrid" else 1)
         if not sd_on:
             tree = root_tree(roots)
-        else:
-            grams = _ngram_proposals(rows, group_of, done_seqs, policy.ngram_n, arm.depth,
-                                     HYBRID_NGRAM_MIN if arm.kind == "hybrid" else 1) if arm.kind in ("ngram", "hybrid") else None
-            if grams is not None and (arm.kind == "ngram" or all(g or not alive for g, alive in
-                                                                  zip(grams, rows.alive_host))):
-                tree = chain_tree(roots, grams, arm.depth)  # no drafter step: every live row has its n-gram draft
-            else:  # a draft token at level j sits at position n + j and uses that position's uniform
-                u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
-                tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                             verify=arm.verify, params=params, u=u, head=head)
-                if grams is not None:  # hybrid: the drafter's chain only for the rows without an n-gram draft
-                    tree = chain_tree(roots, [g or t for g, t in zip(grams, tree.tokens[:, 1:].tolist())], arm.depth)
+        elif grams is not None and (arm.kind == "ngram" or all(g or not a for g, a in zip(grams, rows.alive_host))):
+            tree = chain_tree(roots, grams, arm.depth)  # no drafter step: every live row has its n-gram draft
+        else:  # a draft token at level j sits at position n + j and uses that position's uniform
+            u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
+            tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
+                         verify=arm.verify, params=params, u=u, head=head)
+            if grams is not None:  # hybrid: the drafter's chain only for the rows without an n-gram draft
+                tree = chain_tree(roots, [g or t for g, t in zip(grams, tree.tokens[:, 1:].tolist())], arm.depth)
 
         # --- one target pass over the tree, lossless acceptance ---
         T = tree.tokens.shape[1]
