@@ -58,6 +58,10 @@ HYBRID = re.compile(r"ngram\|d(\d+)")  # "ngram|d6": each row's n-gram draft whe
 # answers a draft after a 1-token match got 0.49 tokens accepted, after 2 tokens 1.16 (the drafter's
 # chains: ~1.3, at the cost of its draft steps) and after 3 tokens 2.33
 HYBRID_NGRAM_MIN = 2
+# tokens the n-gram arm proposes per pass: the root and 5 drafts are 6 rows, one tile of the CPU's gemv
+# kernel (csrc/gemv.cpp, RB); a 7th row costs a second tile (SmolLM2's linears on 2 AVX2 cores: 15.7 ms
+# for 1 row, 18.0 for 6, 21.9 for 7)
+NGRAM_DEPTH = 5
 # RolloutMetrics.chain_acceptance's chain (scalar spec/chain4_acceptance): smollm2-mathmix-cpu's shallowest arm
 FIXED_CHAIN_DEPTH = 4
 
@@ -69,7 +73,7 @@ class Arm(NamedTuple):
     verify: int = 0  # draft tokens verified per pass (tree arms keep the best `verify` nodes)
 
     @classmethod
-    def parse(cls, label: str, ngram_depth: int = 5) -> "Arm":
+    def parse(cls, label: str, ngram_depth: int = NGRAM_DEPTH) -> "Arm":
         """Parse an arm label: off, ngram, ngram|d{depth} or d{depth}k{topk}v{verify} (e.g. d5k3v16)."""
         if label in (OFF, NGRAM):
             return cls(label) if label == OFF else cls(NGRAM, ngram_depth, 1, ngram_depth)
@@ -98,10 +102,7 @@ class SpecPolicy:
     strategies: tuple[tuple[int, int, int], ...] = spec_defaults.STRATEGIES
     ngram_arm: bool = spec_defaults.NGRAM_ARM  # n-gram drafter over the row itself and its siblings (same prompt)
     ngram_n: int = 3  # longest suffix the n-gram drafter matches (tries n..1)
-    # tokens it proposes per pass: the root and 5 drafts are 6 rows, one tile of the CPU's gemv kernel
-    # (csrc/gemv.cpp, RB); a 7th row costs a second tile (SmolLM2's linears on 2 AVX2 cores: 15.7 ms
-    # for 1 row, 18.0 for 6, 21.9 for 7)
-    ngram_depth: int = 5
+    ngram_depth: int = NGRAM_DEPTH  # tokens it proposes per pass
     # the hybrid arm "ngram|d{depth}" (0: none): per row the n-gram draft where the row's text or its
     # siblings' offer one (free), else the drafter's chain, both `depth` tokens: at batch 1 in a
     # repetitive tail the n-gram arm wins most passes, but drafts nothing where no n-gram matches
