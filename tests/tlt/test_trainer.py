@@ -550,3 +550,21 @@ def test_the_driver_lends_finished_workers_cores_to_those_still_decoding(monkeyp
         Trainer._lend_cores(driver, 5, [{}, {}, {}, None])
         Trainer._lend_cores(driver, 5, [{}, {}, {}, {}])  # all in: nobody to lend to
         assert calls == {1: [(5, 1)], 2: [(5, 1), (5, 1)], 3: [(5, 1), (5, 1), (5, 2)]}
+
+
+def test_a_finished_worker_keeps_its_core_while_it_trains_the_drafter(monkeypatch):
+    """Spot training and a lent decode on one core slowed each other (README "Spot training and lent
+    cores"): a finished worker's core goes to the tail only once its pack and spot updates are done."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    calls: list = []
+    lender = SimpleNamespace(lend_cores=SimpleNamespace(remote=lambda step, n: calls.append(("w0", n))))
+    decoder = SimpleNamespace(lend_cores=SimpleNamespace(remote=lambda step, n: calls.append(("w1", n))))
+    driver = SimpleNamespace(cfg=load_config(tiny_cfg().model_dump(mode="json")), device="cpu",
+                             workers=[lender, decoder])
+    Trainer._lend_cores(driver, 3, [{}, None], training={0})  # worker 0 packs, then trains
+    Trainer._lend_cores(driver, 3, [{}, None], training={0, 1})  # a still-decoding worker's id is not a lent core
+    Trainer._lend_cores(driver, 3, [{}, None], training=set())  # its spot budget spent: the core is lent
+    Trainer._lend_cores(driver, 3, [{}, None], training={0})  # more data, another update: taken back
+    assert calls == [("w1", 1), ("w1", 1), ("w1", 2), ("w1", 1)]

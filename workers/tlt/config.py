@@ -112,8 +112,8 @@ class RolloutSection(_Section):
     max_new_tokens: int = Field(256, ge=1, le=65_536, description="Response length limit.")
     lend_idle_cores: bool = Field(
         True, description="CPU workers: once a worker's shard is done, the workers still decoding take its core "
-                          "(more intra-op threads for the long tail; baseline and TLT alike). Spot training "
-                          "then runs on what the lent core leaves over.")
+                          "(more intra-op threads for the long tail; baseline and TLT alike). A worker that "
+                          "spot-trains the drafter lends its core once that training is done.")
     temperature: float = Field(1.0, ge=0.0, le=5.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")

@@ -616,7 +616,6 @@ class Trainer:
                 continue
             if kind == "rollout":
                 results[i] = out
-                self._lend_cores(step, results)
                 if spot is not None and not self._spot_failed and any(r is None for r in results):
                     pending[self.workers[i].pack.remote()] = ("pack", i)
             elif kind == "pack" and spot is not None:
@@ -624,23 +623,30 @@ class Trainer:
                 self._send(spot, rounds.add_data(out["records"] or [], out.get("tokens", 0)) + rounds.idle(i))
             elif kind == "update" and spot is not None:
                 self._send(spot, rounds.done(i, out))
+            self._lend_cores(step, results, training={j for k, j in pending.values() if k in ("pack", "update")})
         if spot is not None:  # the rollout is over: stop spot training now; collect it after the learner
             rounds.preempt()
             for w in self.workers:
                 w.preempt.remote()
         return results, spot
 
-    def _lend_cores(self, step: int, results: list[dict | None]) -> None:
+    def _lend_cores(self, step: int, results: list[dict | None], training: set[int] = frozenset()) -> None:
         """CPU workers (rollout.lend_idle_cores): the cores of the workers whose shards are in go to
-        those still decoding, shared evenly; in the long tail one worker decodes on all of them."""
+        those still decoding, shared evenly; in the long tail one worker decodes on all of them.
+
+        A finished worker that trains the drafter (`training`: a pack or spot update outstanding)
+        keeps its core until that work is done: sharing a core, spot training and the lent decode
+        both slowed, and a TLT rollout gained nothing from lending (README "Spot training and lent
+        cores"). Called again whenever that set changes, so the count can go up or down."""
         cfg = self.cfg
         if self.device != "cpu" or cfg.rollout.engine != "builtin" or not cfg.rollout.lend_idle_cores:
             return
         running = [j for j, r in enumerate(results) if r is None]
         if running:
             cores = min(len(results), os.cpu_count() or 1)  # one thread per worker (_new_worker)
+            free = cores - len([j for j in training if results[j] is not None])
             for j in running:
-                self.workers[j].lend_cores.remote(step, max(1, cores // len(running)))
+                self.workers[j].lend_cores.remote(step, max(1, free // len(running)))
 
     def _send(self, spot: "_Spot", jobs: list[tuple[int, dict]]) -> None:
         for i, job in jobs:
