@@ -41,7 +41,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 import ray
@@ -630,7 +630,7 @@ class Trainer:
                 w.preempt.remote()
         return results, spot
 
-    def _lend_cores(self, step: int, results: list[dict | None], training: set[int] = frozenset()) -> None:
+    def _lend_cores(self, step: int, results: list[dict | None], training: Collection[int] = ()) -> None:
         """CPU workers (rollout.lend_idle_cores): the cores of the workers whose shards are in go to
         those still decoding, shared evenly; in the long tail one worker decodes on all of them.
 
