@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "none given: the preset's alone)")
     p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe")
     p.add_argument("--holdout", type=int, default=96, help="warm-up answers kept out of training to score recipes")
+    p.add_argument("--held-out-tokens", type=int, default=None,
+                   help="length cap of the held-out answers (default: the warm-up's cap; the rollout's, say, to "
+                        "score the long tail's late positions, which `by_position` splits out)")
 
 
 def _intervals(p: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
@@ -106,7 +109,7 @@ def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) ->
 def _logits(policy, drafter, answers, ids: Tensor | None, step: int = 1):
     """Per answer: the target's logits and the drafter's (over its draft vocabulary `ids`) at draft
     step `step` (steps > 1 read the drafter's own predicted states) at the positions that predict
-    response tokens."""
+    response tokens, in response order (row k predicts response token k + step)."""
     from ..learn.drafter_train import unrolled_predictions
 
     head = policy.lm_head.weight.detach()
@@ -261,18 +264,26 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     cap = min(cfg.drafter.warmup_max_new_tokens, cfg.rollout.max_new_tokens)
     prompts = [p.ids for p in task.sample_prompts(args.prompts, random.Random(cfg.run.seed + 99_991))]  # not the warm-up's
     print(f"[bench coupling] the policy answers {len(prompts)} held-out prompts", file=sys.stderr, flush=True)
-    answers = generate_answers(policy, prompts, sampling, cap, eos, cfg.run.seed + 1, None)
+    answers = generate_answers(policy, prompts, sampling, args.held_out_tokens or cap, eos, cfg.run.seed + 1, None)
     ids = draft_vocab_ids(drafter.token_counts, cfg.spec.draft_vocab, eos) if cfg.spec.draft_vocab else None
     temps = args.temperatures or sorted({cfg.rollout.temperature, 1.0})
     sums: dict[float, dict[str, float]] = {t: {} for t in temps}
     n = 0
     gen = torch.Generator().manual_seed(0)
+    # keyed agreement at the rollout's temperature by response position: the warm-up's answers stop
+    # at its cap, the rollout's tail decodes far past it
+    edges = sorted({0, 128, cap, 2 * cap, max(cap, args.held_out_tokens or cap)})
+    by_pos = torch.zeros(2, len(edges), dtype=torch.float64)  # [sum, count] per bucket [edges[i], edges[i+1])
     for logits_p, logits_q in _logits(policy, drafter, answers, ids):
         n += logits_p.shape[0]
         for t in temps:
             p, q = _distributions(logits_p, logits_q, ids, t)
             for k, v in agreements(p, q, args.gumbel_draws, gen).items():
                 sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
+                if t == cfg.rollout.temperature and k == "keyed_inverse_cdf":
+                    bucket = torch.bucketize(torch.arange(len(v)), torch.tensor(edges), right=True) - 1
+                    by_pos[0].index_add_(0, bucket, v)
+                    by_pos[1].index_add_(0, bucket, torch.ones_like(v))
     out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "overrides": args.set, "positions": n,
                            "cpu": cpu_name(), "draft_vocab": cfg.spec.draft_vocab,
                            # the drafter's fit to its own training answers, beside the held-out figures
@@ -280,6 +291,8 @@ def cmd_coupling(args: argparse.Namespace) -> int:
                                                                "generate_s", "train_s", "cached")}}
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
+    out["by_position"] = {f"{lo}-{hi}" if hi else f"{lo}-": {"keyed_inverse_cdf": round(float(s / c), 4), "positions": int(c)}
+                          for lo, hi, s, c in zip(edges, [*edges[1:], None], *by_pos) if c}
     if args.spot_lrs:
         n_rows = cfg.task.prompts_per_step
         batches = []
