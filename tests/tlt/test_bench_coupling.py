@@ -90,3 +90,15 @@ def test_recipes_are_scored_on_answers_they_never_trained_on():
     assert got["trained"]["step1"] > got["untrained"]["step1"] + 0.05  # it generalises to the held-out answers
     with pytest.raises(ValueError, match="holdout"):
         recipe_scores(target, answers, recipes, holdout=24, ids_size=0, temperature=1.0, depth=4, eos_ids=[2])
+
+
+def test_position_means_bucket_each_answers_positions_from_its_start():
+    from workers.tlt.bench.coupling import PositionMeans
+
+    m = PositionMeans([0, 2, 5])
+    m.add(torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]))  # positions 0..6
+    m.add(torch.tensor([0.0, 0.0, 0.0]))  # a second answer starts at position 0 again
+    assert m.means() == {"0-2": (0.25, 4), "2-5": (0.75, 4), "5-": (0.0, 2)}
+    m2 = PositionMeans([0, 128, 384])
+    m2.add(torch.ones(10))
+    assert m2.means() == {"0-128": (1.0, 10)}  # empty buckets are left out

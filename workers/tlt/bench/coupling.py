@@ -2,6 +2,7 @@
 the headroom a better coupling would buy SD under sampling. The LAST stdout line is one JSON object.
 
     python -m workers.tlt.bench coupling [--preset smollm2-mathmix-cpu] [--prompts 32] [--temperatures 0.7 1.0]
+                                         [--held-out-tokens 1024]                 # answers past the warm-up's cap
                                          [--set drafter.warmup_prompts=2048 ...]   # another recipe
                                          [--spot-lrs 3e-4 5e-5 [--spot-steps 6]]   # spot training's effect
     python -m workers.tlt.bench coupling --recipes drafter.token_loss_weight=1.0 drafter.unroll=2 \
@@ -21,6 +22,9 @@ recipe, cached; its reduced draft vocabulary) are compared, at each temperature,
     greedy_draft       p(argmax q): a drafter that proposes its argmax, accepted by the keyed rule
 
 and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Carlo for gumbel.
+`by_position` splits the keyed agreement at the preset's temperature by response position; with
+`--held-out-tokens` (the rollout's 1024, say) the held-out answers run past the warm-up's cap, where
+the long tail spends most of its decoding.
 
 `--spot-lrs` also measures what spot training does to the warmed-up drafter: the policy answers
 `--spot-steps` fresh batches of a step's prompts (`task.prompts_per_step`), and a copy of the
@@ -168,6 +172,28 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
     return curve
 
 
+class PositionMeans:
+    """Means of a per-position figure by response position, in buckets [edges[i], edges[i+1]) (the
+    last one open): the warm-up's answers stop at its cap, the rollout's tail decodes far past it."""
+
+    def __init__(self, edges: list[int]):
+        self.edges = torch.tensor(edges)
+        self.sums = torch.zeros(len(edges), dtype=torch.float64)
+        self.counts = torch.zeros(len(edges), dtype=torch.float64)
+
+    def add(self, values: Tensor) -> None:
+        """One answer's figures, values[k] at response position k."""
+        bucket = torch.bucketize(torch.arange(len(values)), self.edges, right=True) - 1
+        self.sums.index_add_(0, bucket, values.double())
+        self.counts.index_add_(0, bucket, torch.ones(len(values), dtype=torch.float64))
+
+    def means(self) -> dict[str, tuple[float, int]]:
+        """"lo-hi" (or "lo-" for the last) -> (mean, positions), for the buckets that got any."""
+        lo, hi = self.edges.tolist(), [*self.edges.tolist()[1:], None]
+        return {f"{a}-{b if b is not None else ''}": (round(float(s / c), 4), int(c))
+                for a, b, s, c in zip(lo, hi, self.sums, self.counts) if c}
+
+
 def chain_tokens(step1: float, step2: float, depth: int) -> float:
     """Expected tokens per verify pass of a `depth`-deep chain: the emitted token plus the accepted
     drafts, when position 1 agrees with probability step1 and each later one with step2."""
@@ -270,10 +296,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     sums: dict[float, dict[str, float]] = {t: {} for t in temps}
     n = 0
     gen = torch.Generator().manual_seed(0)
-    # keyed agreement at the rollout's temperature by response position: the warm-up's answers stop
-    # at its cap, the rollout's tail decodes far past it
-    edges = sorted({0, 128, cap, 2 * cap, max(cap, args.held_out_tokens or cap)})
-    by_pos = torch.zeros(2, len(edges), dtype=torch.float64)  # [sum, count] per bucket [edges[i], edges[i+1])
+    by_pos = PositionMeans(sorted({0, 128, cap, 2 * cap, max(cap, args.held_out_tokens or cap)}))
     for logits_p, logits_q in _logits(policy, drafter, answers, ids):
         n += logits_p.shape[0]
         for t in temps:
@@ -281,9 +304,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
             for k, v in agreements(p, q, args.gumbel_draws, gen).items():
                 sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
                 if t == cfg.rollout.temperature and k == "keyed_inverse_cdf":
-                    bucket = torch.bucketize(torch.arange(len(v)), torch.tensor(edges), right=True) - 1
-                    by_pos[0].index_add_(0, bucket, v)
-                    by_pos[1].index_add_(0, bucket, torch.ones_like(v))
+                    by_pos.add(v)
     out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "overrides": args.set, "positions": n,
                            "cpu": cpu_name(), "draft_vocab": cfg.spec.draft_vocab,
                            # the drafter's fit to its own training answers, beside the held-out figures
@@ -291,8 +312,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
                                                                "generate_s", "train_s", "cached")}}
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
-    out["by_position"] = {f"{lo}-{hi}" if hi else f"{lo}-": {"keyed_inverse_cdf": round(float(s / c), 4), "positions": int(c)}
-                          for lo, hi, s, c in zip(edges, [*edges[1:], None], *by_pos) if c}
+    out["by_position"] = {k: {"keyed_inverse_cdf": mean, "positions": n} for k, (mean, n) in by_pos.means().items()}
     if args.spot_lrs:
         n_rows = cfg.task.prompts_per_step
         batches = []
