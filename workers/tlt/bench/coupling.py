@@ -172,6 +172,9 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
     return curve
 
 
+POSITION_EDGES = (0, 128, 384, 768)  # by_position's buckets (and the warm-up's cap), the same for every recipe
+
+
 class PositionMeans:
     """Means of a per-position figure by response position, in buckets [edges[i], edges[i+1]) (the
     last one open): the warm-up's answers stop at its cap, the rollout's tail decodes far past it."""
@@ -296,7 +299,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     sums: dict[float, dict[str, float]] = {t: {} for t in temps}
     n = 0
     gen = torch.Generator().manual_seed(0)
-    by_pos = PositionMeans(sorted({0, 128, cap, 2 * cap, max(cap, args.held_out_tokens or cap)}))
+    by_pos = PositionMeans(sorted({*POSITION_EDGES, cap}))
     for logits_p, logits_q in _logits(policy, drafter, answers, ids):
         n += logits_p.shape[0]
         for t in temps:
@@ -312,7 +315,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
                                                                "generate_s", "train_s", "cached")}}
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
-    out["by_position"] = {k: {"keyed_inverse_cdf": mean, "positions": n} for k, (mean, n) in by_pos.means().items()}
+    out["by_position"] = {k: {"keyed_inverse_cdf": mean, "positions": count} for k, (mean, count) in by_pos.means().items()}
     if args.spot_lrs:
         n_rows = cfg.task.prompts_per_step
         batches = []
