@@ -637,14 +637,14 @@ class Trainer:
         A finished worker that trains the drafter (`training`: a pack or spot update outstanding)
         keeps its core until that work is done: sharing a core, spot training and the lent decode
         both slowed, and a TLT rollout gained nothing from lending (README "Spot training and lent
-        cores"). Called again whenever that set changes, so the count can go up or down."""
+        cores"). Called after every event of the rollout's wait loop, so the count can go up or down."""
         cfg = self.cfg
         if self.device != "cpu" or cfg.rollout.engine != "builtin" or not cfg.rollout.lend_idle_cores:
             return
         running = [j for j, r in enumerate(results) if r is None]
         if running:
             cores = min(len(results), os.cpu_count() or 1)  # one thread per worker (_new_worker)
-            free = cores - len([j for j in training if results[j] is not None])
+            free = cores - sum(results[j] is not None for j in training)
             for j in running:
                 self.workers[j].lend_cores.remote(step, max(1, free // len(running)))
 

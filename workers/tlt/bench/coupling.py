@@ -113,7 +113,7 @@ def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) ->
 def _logits(policy, drafter, answers, ids: Tensor | None, step: int = 1):
     """Per answer: the target's logits and the drafter's (over its draft vocabulary `ids`) at draft
     step `step` (steps > 1 read the drafter's own predicted states) at the positions that predict
-    response tokens, in response order (row k predicts response token k + step)."""
+    response tokens, in response order (row k predicts response token k + 1, whatever the step)."""
     from ..learn.drafter_train import unrolled_predictions
 
     head = policy.lm_head.weight.detach()
