@@ -4,35 +4,55 @@ Greedy SD is token-identical to plain decoding by construction only if a token's
 depend on what else is in the pass: the other draft tokens (a chain or a tree), masked slots between
 its keys (tree siblings), the other rows of the batch (longer prefixes widen everyone's key range).
 That holds where every product is row-invariant (models/linear.py) and so is attention
-(transformer.cached_attention): float32 where our CPU kernels build (cpu_kernels.attention), and
-bfloat16 on CPUs where oneDNN multiplies it. Real layer shapes (SmolLM2's, 2 of its 30 layers) and
-the machine's own thread count, as a rollout runs them.
+(transformer.cached_attention): our CPU kernel (cpu_kernels.attention) in float32 and bfloat16, and
+in bfloat16 where it cannot be built, split products on CPUs where oneDNN multiplies it. Real layer
+shapes (SmolLM2's, 2 of its 30 layers) and the machine's own thread count, as a rollout runs them.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tlt.models import cpu_kernels, linear
-from workers.tlt.models.transformer import cached_attention, causal_mask, kernel_attention
+from workers.tlt.models import cpu_kernels, linear, transformer
+from workers.tlt.models.transformer import cached_attention, causal_mask
 from workers.tlt.rollout.speculative import Tree, ancestors, tree_mask
 
-DTYPES = [
-    pytest.param(torch.float32, id="float32",
-                 marks=pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels cannot be built here")),
-    pytest.param(torch.bfloat16, id="bfloat16",
-                 marks=pytest.mark.skipif(not linear.onednn_bf16(), reason="needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")),
+_KERNEL = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels cannot be built here")
+_ONEDNN_BF16 = pytest.mark.skipif(not linear.onednn_bf16(), reason="needs oneDNN bfloat16 (AVX-512 BF16 or AMX)")
+PATHS = [  # (dtype, whether attention takes our kernel): bfloat16 takes the split products without it
+    pytest.param((torch.float32, True), id="float32", marks=_KERNEL),
+    pytest.param((torch.bfloat16, True), id="bfloat16", marks=[_KERNEL, _ONEDNN_BF16]),
+    pytest.param((torch.bfloat16, False), id="bfloat16-split", marks=_ONEDNN_BF16),
 ]
+
+
+def _without_kernel(mp: pytest.MonkeyPatch, kernel: bool) -> None:
+    if not kernel:  # as where the kernels cannot be built
+        mp.setattr(transformer, "kernel_attention", lambda *_: False)
 
 P, N = 40, 6  # prompt length, tokens decoded
 MAX_LEN = 384  # cache slots of every test's rows
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def model(smollm2_shaped, request):
-    m = smollm2_shaped(request.param)
+@pytest.fixture(scope="module", params=PATHS)
+def tuned(smollm2_shaped, request):
+    dtype, kernel = request.param
+    m = smollm2_shaped(dtype)
     linear.tune(m)
+    return m, kernel
+
+
+@pytest.fixture
+def model(tuned, monkeypatch):
+    m, kernel = tuned
+    _without_kernel(monkeypatch, kernel)
     return m
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch) -> tuple[torch.dtype, bool]:
+    _without_kernel(monkeypatch, request.param[1])
+    return request.param
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:
@@ -103,29 +123,29 @@ def test_a_row_gets_the_same_bits_beside_rows_with_longer_prefixes(model):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hd", [16, 64, 136])  # 136: the kernel's head dimension beyond one block of 128
-def test_cached_attention_is_attention(dtype, hd):
+def test_cached_attention_is_attention(path, hd):
     """The invariant formulations compute what SDPA computes, to the dtype's rounding."""
+    dtype, kernel = path
     g = torch.Generator().manual_seed(0)
     B, T, S = 3, 5, 70
     q, k, v = (torch.randn(B, h, n, hd, generator=g).to(dtype) for h, n in ((9, T), (3, S), (3, S)))
     mask = torch.rand(B, T, S, generator=g) < 0.7
     mask[..., 0] = True  # every query sees at least one key
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None], enable_gqa=True)
-    assert dtype == torch.bfloat16 or kernel_attention(q, k, v)  # float32: our kernel, not SDPA again
+    assert transformer.kernel_attention(q, k, v) == kernel  # the path named, not SDPA again
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(cached_attention(q, k, v, mask).float(), ref, rtol=tol, atol=tol)
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_gets_the_same_bits_however_many_masked_keys_follow_its_own(dtype):
+def test_a_query_gets_the_same_bits_however_many_masked_keys_follow_its_own(path):
     """A decode step's key range ends at its own key; a verify pass's reaches the pass's last slot, and
     a batch's the longest row's. On AMX oneDNN sums products of some key counts (multiples of 30 from
     210 to 450, among others) in other blocks than the rest, so trailing zero weights do not hide the
     extra slots: the products must not span them (KeyLayout.head_width). This failed on AMX at S in
     (210, 240, 270, 300, ...) when the head product spanned all S slots."""
+    dtype = path[0]
     g = torch.Generator().manual_seed(0)
     B, T = 7, 9  # rows; queries of a chain (each row's last T positions), at most MAX_FEW_ROWS in all
     q = torch.randn(B, 9, T, 64, generator=g).mul(2).to(dtype)

@@ -76,8 +76,8 @@ def test_our_transformer_matches_transformers_on_the_converted_folder(smollm2_fo
 # prompt, the 40 response tokens before it, and the 17-node draft tree (its accepted path: nodes 0,
 # 1, 4, 10, 12, 15, with masked siblings between them). Computed as one product over all keys, the
 # path's last node got other bits than its decode step (the first logits to differ in a rollout whose
-# greedy SD then flipped a token); transformer.cached_attention's split product gives it the same,
-# and so does float32's kernel (cpu_kernels.attention).
+# greedy SD then flipped a token); our kernel (cpu_kernels.attention, float32 or bfloat16) gives it
+# the same, and so does transformer.cached_attention's split product (test_bit_identity).
 _PROMPT = [
     1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198,
     1, 4093, 198, 24960, 553, 216, 33, 34, 30753, 30, 22862, 553, 216, 35, 540, 30753, 670, 8581, 30, 14176, 553, 216,

@@ -1,4 +1,4 @@
-"""Our own float32 CPU kernels for decode steps and verify passes, compiled for the CPU at hand on
+"""Our own CPU kernels for decode steps and verify passes, compiled for the CPU at hand on
 first use: a few-row product (csrc/gemv.cpp) and a few-query attention (csrc/attention.cpp).
 
 PyTorch's CPU kernels are built for products of many rows. At one row (a decode step) they read
@@ -92,6 +92,7 @@ def linear(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> 
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Float32 CPU attention of q [B, T, h, hd] over keys/values [B, S, kv, hd] where mask [B, T, S]
-    allows -> [B, T, h, hd]; each query computed alone (csrc/attention.cpp). hd % 8 == 0."""
+    """CPU attention of float32 q [B, T, h, hd] over float32 or bfloat16 keys/values [B, S, kv, hd]
+    where mask [B, T, S] allows -> float32 [B, T, h, hd]; each query computed alone, in float32
+    (csrc/attention.cpp). hd % 8 == 0."""
     return _extension().attention(q, keys, values, mask, scale)

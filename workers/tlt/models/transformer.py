@@ -239,14 +239,17 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     """Attention of new queries q [B, h, T, hd] over cache keys/values [B, kv, S, hd] (GQA: kv divides
     h), mask [B, T, S] (True = may attend; or its KeyLayout, built once per forward) -> [B, h, T, hd].
 
-    Where `invariant_attention(q)` holds, a query gets the same bits whatever else is in the pass:
-    alone (a decode step) or beside the other draft tokens of a verify pass, and whatever masked
-    slots surround its keys (other rows' longer prefixes, tree siblings between its ancestors). Greedy
-    SD is then token-identical to plain decoding by construction, not only where no near-tie falls.
-    PyTorch's CPU SDPA is not: it blocks queries and keys by the pass's shape, and bfloat16's 8-bit
-    logits turned that into flipped tokens (README "Rollout"). Here both products run in oneDNN,
-    whose results do not depend on how many query rows share a product; the softmax's row maximum is
-    exact in any order and its normaliser is the output product's own (a column of ones beside the
+    On the CPU a query gets the same bits whatever else is in the pass: alone (a decode step) or
+    beside the other draft tokens of a verify pass, and whatever masked slots surround its keys
+    (other rows' longer prefixes, tree siblings between its ancestors). Greedy SD is then
+    token-identical to plain decoding by construction, not only where no near-tie falls. PyTorch's
+    CPU SDPA is not: it blocks queries and keys by the pass's shape, and bfloat16's 8-bit logits
+    turned that into flipped tokens (README "Rollout"). A decode step's or a verify pass's few
+    queries, float32 or bfloat16, take our kernel, each query alone (kernel_attention).
+
+    Where it cannot be built, bfloat16 takes split products in oneDNN (invariant_attention), whose
+    results do not depend on how many query rows share a product; the softmax's row maximum is exact
+    in any order and its normaliser is the output product's own (a column of ones beside the
     values). How oneDNN blocks the keys it sums, though, depends on the product's key count: in a
     tree pass a query's last keys sit between masked siblings, in other blocks than in its decode
     step (a real SmolLM2 draft tree got other bits so: test_smollm2), and on AMX some key counts
@@ -256,13 +259,15 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     product over the pass's largest split point (a multiple of SPLIT_EVERY, which every product here
     sums alike); the tail, the at most SPLIT_EVERY + MAX_DEPTH keys after it gathered into sequence
     order, in a product of fixed width. A decode step splits the same sequence at the same point.
-    The numerics are those of HF's eager bfloat16 attention (products in bfloat16, softmax in float32).
+    Those numerics are HF's eager bfloat16 attention's (products in bfloat16, softmax in float32);
+    our kernel's products and sums are float32, rounded to bfloat16 once.
     """
     B, h, T, hd = q.shape
-    if kernel_attention(q, keys, values):  # float32 on the CPU: each query alone, in our kernel
+    if kernel_attention(q, keys, values):  # a few queries on the CPU: each alone, in our kernel
         m = mask.mask if isinstance(mask, KeyLayout) else mask
-        out = cpu_kernels.attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), m, hd ** -0.5)
-        return out.transpose(1, 2)
+        out = cpu_kernels.attention(q.transpose(1, 2).float(), keys.transpose(1, 2), values.transpose(1, 2), m,
+                                    hd ** -0.5)
+        return out.transpose(1, 2).to(q.dtype)
     if T < QUERY_ROWS and B * T <= MAX_FEW_ROWS and cuda_fixed_shape(q):  # the tail's passes at one
         # query count (linear.padded_rows); a padding query attends where the first does
         m = torch.cat([mask, mask[:, :1].expand(-1, QUERY_ROWS - T, -1)], 1)
@@ -290,23 +295,25 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
 
 
 def kernel_attention(q: Tensor, keys: Tensor, values: Tensor) -> bool:
-    """A decode step's or a verify pass's float32 queries on the CPU go to cpu_kernels.attention,
-    which computes each query from the keys it may see, in order, and nothing else: invariant by
-    construction, and 2-3x faster than SDPA per layer at one or two queries (on par at 13; SDPA pays
-    its blocking in every layer). Not under autograd (the drafter's unrolled training) nor for many
-    queries (prefill)."""
+    """A decode step's or a verify pass's queries on the CPU, float32 or bfloat16, go to
+    cpu_kernels.attention, which computes each query from the keys it may see, in order, and nothing
+    else: invariant by construction. In float32 it is 2-3x faster than SDPA per layer at one or two
+    queries (on par at 13; SDPA pays its blocking in every layer); in bfloat16 it replaces the split
+    oneDNN products below, whose ~25 small ops cost ~225 us per layer at one query on AMX. Not under
+    autograd (the drafter's unrolled training) nor for many queries (prefill)."""
     B, _, T, hd = q.shape
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and 0 < B * T <= MAX_FEW_ROWS and hd % 8 == 0
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and keys.dtype == q.dtype
+            and 0 < B * T <= MAX_FEW_ROWS and hd % 8 == 0
             and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
             and cpu_kernels.available())
 
 
 def invariant_attention(q: Tensor) -> bool:
     """cached_attention's split products compute a query as it would alone (its doc): bfloat16 on
-    CPUs where oneDNN multiplies it (linear.onednn_bf16), which is where torch.matmul sends it.
-    float32 matmul runs in MKL, whose products round a row differently beside others, so float32
-    takes our kernel (kernel_attention) or, where that cannot be built, SDPA (logits differ from a
-    decode step's by ~1e-6; no flipped token measured)."""
+    CPUs where oneDNN multiplies it (linear.onednn_bf16), which is where torch.matmul sends it; they
+    serve where our kernel (kernel_attention) does not. float32 matmul runs in MKL, whose products
+    round a row differently beside others, so float32 without our kernel takes SDPA (logits differ
+    from a decode step's by ~1e-6; no flipped token measured)."""
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and onednn_bf16()
 
 

@@ -1,4 +1,4 @@
-// Few-query float32 attention over a KV cache for CPU decode steps and verify passes
+// Few-query attention over a float32 or bfloat16 KV cache, in float32 for CPU decode steps and verify passes
 // (models/cpu_kernels.py, transformer.cached_attention).
 //
 // PyTorch's CPU SDPA is built for long sequences: a decode step's few queries pay its blocking and
@@ -15,6 +15,10 @@
 // So a query's bits depend only on its own query vector and the sequence of keys and values it may
 // see: alone (a decode step), beside other draft tokens (a chain or a tree whose siblings sit between
 // its ancestors' slots), or beside rows with longer prefixes, it computes the same.
+//
+// A bfloat16 cache is read as it is stored (half the bytes) and widened to float32 exactly in
+// registers; the products and sums stay float32, so the output is rounded to bfloat16 once, by the
+// caller, where HF's eager bfloat16 attention rounds each product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -64,30 +68,19 @@ inline float hsum(v8 v) {  // a fixed order: ((0+4) + (2+6)) + ((1+5) + (3+7))
 
 }  // namespace
 
-// q [B, T, h, hd], keys/values [B, S, kv, hd] (the cache's layout; any strides, hd contiguous),
-// mask [B, T, S] bool (any strides) -> out [B, T, h, hd]. hd a multiple of 8; kv divides h; every
-// query sees at least one key.
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                        const torch::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 3, "attention: q [B, T, h, hd], "
-              "keys/values [B, S, kv, hd], mask [B, T, S]");
-  for (const auto* t : {&q, &keys, &values})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1,
-                "attention: float32 CPU tensors, the head dimension contiguous");
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "attention: a bool mask");
+// q [B, T, h, hd] float32, keys/values [B, S, kv, hd] float32 or bfloat16 (the cache's layout; any
+// strides, hd contiguous), mask [B, T, S] bool (any strides) -> out [B, T, h, hd] float32. hd a
+// multiple of 8; kv divides h; every query sees at least one key.
+template <typename KV>
+void attend(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor& keys, const torch::Tensor& values,
+            const torch::Tensor& mask, float sc, torch::Tensor& out) {
   const int64_t B = q.size(0), T = q.size(1), h = q.size(2), hd = q.size(3);
   const int64_t S = keys.size(1), kv = keys.size(2);
-  TORCH_CHECK(hd % 8 == 0 && keys.size(3) == hd && values.sizes() == keys.sizes() && keys.size(0) == B &&
-              h % kv == 0 && mask.size(0) == B && mask.size(1) == T && mask.size(2) == S, "attention: shapes");
-  auto out = torch::empty({B, T, h, hd}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const int64_t group = h / kv, vecs = hd / 8;
   const auto qs = q.strides(), ks = keys.strides(), vs = values.strides(), ms = mask.strides();
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * T * h, 1, [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> slots;
     std::vector<float> p;
@@ -102,14 +95,14 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
       const int64_t n = static_cast<int64_t>(slots.size());
       TORCH_CHECK(n > 0, "attention: a query that sees no key");
       const float* qv = qp + b * qs[0] + t * qs[1] + head * qs[2];
-      const float* kb = kp + b * ks[0] + kvh * ks[2];
-      const float* vb = vp + b * vs[0] + kvh * vs[2];
+      const KV* kb = kp + b * ks[0] + kvh * ks[2];
+      const KV* vb = vp + b * vs[0] + kvh * vs[2];
       p.assign((n + 7) / 8 * 8, 0.0f);
       float top = -INFINITY;
       int64_t j = 0;
       for (; j + 4 <= n; j += 4) {  // four keys' chains interleaved; each key's arithmetic is the same
-        const float *k0 = kb + slots[j] * ks[1], *k1 = kb + slots[j + 1] * ks[1];
-        const float *k2 = kb + slots[j + 2] * ks[1], *k3 = kb + slots[j + 3] * ks[1];
+        const KV *k0 = kb + slots[j] * ks[1], *k1 = kb + slots[j + 1] * ks[1];
+        const KV *k2 = kb + slots[j + 2] * ks[1], *k3 = kb + slots[j + 3] * ks[1];
         v8 a0 = v8{}, a1 = v8{}, a2 = v8{}, a3 = v8{};
         for (int64_t d = 0; d < vecs; ++d) {
           const v8 x = load8(qv + 8 * d);
@@ -121,7 +114,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
         p[j] = hsum(a0) * sc, p[j + 1] = hsum(a1) * sc, p[j + 2] = hsum(a2) * sc, p[j + 3] = hsum(a3) * sc;
       }
       for (; j < n; ++j) {
-        const float* k = kb + slots[j] * ks[1];
+        const KV* k = kb + slots[j] * ks[1];
         v8 acc = v8{};
         for (int64_t d = 0; d < vecs; ++d) acc = madd(acc, load8(qv + 8 * d), load8(k + 8 * d));
         p[j] = hsum(acc) * sc;
@@ -136,7 +129,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
         const int64_t w = std::min<int64_t>(16, vecs - d0);
         for (int64_t d = 0; d < w; ++d) acc[d] = v8{};
         for (int64_t j = 0; j < n; ++j) {
-          const float* v = vb + slots[j] * vs[1] + 8 * d0;
+          const KV* v = vb + slots[j] * vs[1] + 8 * d0;
           const v8 pj = splat(p[j]);
           for (int64_t d = 0; d < w; ++d) acc[d] = madd(acc[d], pj, load8(v + 8 * d));
         }
@@ -144,5 +137,28 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
       }
     }
   });
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                        const torch::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 3, "attention: q [B, T, h, hd], "
+              "keys/values [B, S, kv, hd], mask [B, T, S]");
+  const auto kv_type = keys.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (kv_type == at::kFloat || kv_type == at::kBFloat16) &&
+              values.scalar_type() == kv_type, "attention: float32 queries, float32 or bfloat16 keys and values");
+  for (const auto* t : {&q, &keys, &values})
+    TORCH_CHECK(t->device().is_cpu() && t->stride(3) == 1, "attention: CPU tensors, the head dimension contiguous");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "attention: a bool mask");
+  const int64_t B = q.size(0), T = q.size(1), h = q.size(2), hd = q.size(3);
+  const int64_t S = keys.size(1), kv = keys.size(2);
+  TORCH_CHECK(hd % 8 == 0 && keys.size(3) == hd && values.sizes() == keys.sizes() && keys.size(0) == B &&
+              h % kv == 0 && mask.size(0) == B && mask.size(1) == T && mask.size(2) == S, "attention: shapes");
+  auto out = torch::empty({B, T, h, hd}, q.options());
+  const float sc = static_cast<float>(scale);
+  if (kv_type == at::kFloat)
+    attend(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys, values, mask, sc, out);
+  else  // bfloat16's bits, widened by load8
+    attend(q, reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), keys, values, mask, sc, out);
   return out;
 }

@@ -26,25 +26,13 @@ using namespace tlt;
 constexpr int64_t NB = 16;  // outputs per block: two vectors
 constexpr int RB = 6;       // input rows per tile: RB * 2 accumulators + 2 weights + 1 broadcast <= 16 registers
 
-// eight packed weights as float32: float32 as is, bfloat16 (its bits) widened exactly
-inline v8 weights8(const float* p) { return load8(p); }
-inline v8 weights8(const uint16_t* p) {
-  typedef uint16_t v8h __attribute__((vector_size(16)));
-  v8h h;
-  std::memcpy(&h, p, sizeof h);
-  const v8i bits = __builtin_convertvector(h, v8i) << 16;
-  v8 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
 // R input rows (stride n) by one packed block [n, NB] -> y (row stride ldy), `valid` outputs stored
 template <int R, typename W>
 inline void tile(const float* x, const W* wb, int64_t n, float* y, int64_t ldy, int64_t valid) {
   v8 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t i = 0; i < n; ++i) {
-    const v8 w0 = weights8(wb + i * NB), w1 = weights8(wb + i * NB + 8);
+    const v8 w0 = load8(wb + i * NB), w1 = load8(wb + i * NB + 8);
     for (int r = 0; r < R; ++r) {
       const float xi = x[r * n + i];
       const v8 xb = splat(xi);

@@ -1,6 +1,7 @@
 // Eight-float vectors for the CPU kernels (GCC/Clang vector extensions; FMA where the CPU has it).
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 #ifdef __FMA__
 #include <immintrin.h>
@@ -14,6 +15,17 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// eight bfloat16 values (their bits) widened to float32 exactly: bfloat16 is float32's top half
+inline v8 load8(const uint16_t* p) {
+  typedef uint16_t v8h __attribute__((vector_size(16)));
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8i bits = __builtin_convertvector(h, v8i) << 16;
+  v8 v;
+  std::memcpy(&v, &bits, sizeof v);
   return v;
 }
 
