@@ -136,22 +136,26 @@ class Linear(nn.Linear):
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:  # prefill, many-row decode: compute-bound, like a training product
             kernel = self.bulk_kernel
-        if kernel == "linear" or not rows or not _cpu_inference(x, w) or not usable(kernel, x.dtype):
+        if not rows or not _cpu_inference(x, w) or not usable(kernel, x.dtype) or (
+                kernel == "linear" and rows > MAX_FEW_ROWS):
             return F.linear(x, w, self.bias)
-        if w.is_inference():  # the kernels' weight copies are keyed by the version counter, which
-            return F.linear(x, w, self.bias)  # inference tensors lack
+        if kernel != "linear" and w.is_inference():  # the kernels' weight copies are keyed by the
+            return F.linear(x, w, self.bias)  # version counter, which inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
         if kernel in ("gemv", DRAFT_KERNEL):  # few rows (the bulk kernels are linear and onednn)
             packed = self._weight_copy("_blocked", cpu_kernels.pack if kernel == "gemv" else _pack_bf16)
             return cpu_kernels.linear(x2, packed, w.shape[0], self.bias).reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:
             y = _onednn(x2, self._packed_weight(), self.bias)
-        else:  # a decode step or verify pass: products no larger than those checked row-invariant
+        else:  # a decode step or verify pass: products no larger than those checked row-invariant,
+            # whichever kernel (PyTorch's bfloat16 linear on AMX, too, rounds otherwise beyond 32 rows)
             parts = x2.split(invariant_rows(x.dtype))
-            y = self._few_rows(parts[0]) if len(parts) == 1 else torch.cat([self._few_rows(p) for p in parts])
+            y = torch.cat([self._few_rows(p, kernel) for p in parts]) if len(parts) > 1 else self._few_rows(x2, kernel)
         return y.reshape(*x.shape[:-1], -1)
 
-    def _few_rows(self, x2: Tensor) -> Tensor:
+    def _few_rows(self, x2: Tensor, kernel: str) -> Tensor:
+        if kernel == "linear":
+            return F.linear(x2, self.weight, self.bias)
         if x2.shape[0] == 1:  # oneDNN's one-row path rounds differently from its many-row one: use the latter
             return _onednn(torch.cat([x2, x2]), self._packed_weight(), self.bias)[:1]
         return _onednn(x2, self._packed_weight(), self.bias)
