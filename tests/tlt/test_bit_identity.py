@@ -28,7 +28,7 @@ PATHS = [  # (dtype, whether attention takes our kernel): bfloat16 takes the spl
 
 def _without_kernel(mp: pytest.MonkeyPatch, kernel: bool) -> None:
     if not kernel:  # as where the kernels cannot be built
-        mp.setattr(transformer, "kernel_attention", lambda *_: False)
+        mp.setattr(cpu_kernels, "available", lambda: False)
 
 P, N = 40, 6  # prompt length, tokens decoded
 MAX_LEN = 384  # cache slots of every test's rows

@@ -302,10 +302,14 @@ def kernel_attention(q: Tensor, keys: Tensor, values: Tensor) -> bool:
     oneDNN products below, whose ~25 small ops cost ~225 us per layer at one query on AMX. Not under
     autograd (the drafter's unrolled training) nor for many queries (prefill)."""
     B, _, T, hd = q.shape
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and keys.dtype == q.dtype
-            and 0 < B * T <= MAX_FEW_ROWS and hd % 8 == 0
-            and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
-            and cpu_kernels.available())
+    return (few_queries_to_kernel(q, B * T, hd) and keys.dtype == q.dtype
+            and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)))
+
+
+def few_queries_to_kernel(x: Tensor, queries: int, head_dim: int) -> bool:
+    """Whether `queries` queries in x's dtype and device (a pass's, in all rows) take our kernel."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and 0 < queries <= MAX_FEW_ROWS
+            and head_dim % 8 == 0 and cpu_kernels.available())
 
 
 def invariant_attention(q: Tensor) -> bool:
@@ -421,8 +425,9 @@ class Transformer(nn.Module):
         """
         positions, write_pos, mask = step_layout(tokens, positions, cache, write_pos, mask)
         x = self.model.embed_tokens(tokens)
-        if cache is not None and invariant_attention(x):
-            mask = KeyLayout.of(mask)  # the same for every layer
+        if cache is not None and invariant_attention(x) and not few_queries_to_kernel(x, tokens.numel(),
+                                                                                      self.config.head_dim):
+            mask = KeyLayout.of(mask)  # the split products' layout, the same for every layer
         rope = rope_tables(self.config, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, i, cache, write_pos, mask)
