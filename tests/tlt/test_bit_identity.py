@@ -123,13 +123,15 @@ def test_a_row_gets_the_same_bits_beside_rows_with_longer_prefixes(model):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("hd", [16, 64, 136])  # 136: the kernel's head dimension beyond one block of 128
-def test_cached_attention_is_attention(path, hd):
+@pytest.mark.parametrize("hd", [16, 64, 136])  # 136: 17 vectors, the kernel's last block of 4 part-full
+@pytest.mark.parametrize("heads", [(9, 3), (7, 1), (4, 4)], ids=["gqa3", "gqa7", "mha"])  # query, key heads
+def test_cached_attention_is_attention(path, hd, heads):
     """The invariant formulations compute what SDPA computes, to the dtype's rounding."""
     dtype, kernel = path
     g = torch.Generator().manual_seed(0)
     B, T, S = 3, 5, 70
-    q, k, v = (torch.randn(B, h, n, hd, generator=g).to(dtype) for h, n in ((9, T), (3, S), (3, S)))
+    h, kv = heads
+    q, k, v = (torch.randn(B, n_heads, n, hd, generator=g).to(dtype) for n_heads, n in ((h, T), (kv, S), (kv, S)))
     mask = torch.rand(B, T, S, generator=g) < 0.7
     mask[..., 0] = True  # every query sees at least one key
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None], enable_gqa=True)

@@ -4,8 +4,8 @@
 // PyTorch's CPU SDPA is built for long sequences: a decode step's few queries pay its blocking and
 // buffers in every layer (on 2 AVX2 EPYC cores 50-86 us per layer for one query over 200 keys, where
 // this kernel takes 20-26), and it sums a query's keys in blocks chosen by the pass's shape, so a
-// draft token can get other bits beside the others than alone. Here each (row, query, head) is one task that reads the keys its mask row allows, in slot
-// order, and nothing else:
+// draft token can get other bits beside the others than alone. Here each query head is computed
+// from the keys its mask row allows, in slot order, and nothing else:
 //
 //   visible = the slots s with mask[b, t, s], in order
 //   score_j = (q . k_visible[j]) * scale          one FMA chain along the head dimension
@@ -16,13 +16,21 @@
 // see: alone (a decode step), beside other draft tokens (a chain or a tree whose siblings sit between
 // its ancestors' slots), or beside rows with longer prefixes, it computes the same.
 //
-// A bfloat16 cache is read as it is stored (half the bytes) and widened to float32 exactly in
-// registers; the products and sums stay float32, so the output is rounded to bfloat16 once, by the
+// What is shared is only the reading. One task takes a row's key head for all the pass's queries
+// and the query heads that share that key head (GQA): a verify pass of T tokens over S keys reads
+// each key once, not T * group times, which bounded the kernel by memory traffic (a 4-row, 9-token
+// tree pass over 800 keys: 1.7 ms per layer). Scores are computed for every slot up to the row's
+// last visible one and the slots a query may not see get weight 0 and are skipped in its sums, so
+// its sums run over exactly its visible keys, in order, from zero.
+//
+// A bfloat16 cache is read as it is stored (half the bytes) and widened to float32 exactly (a block
+// of keys once for all its query heads, values in registers); the products and sums stay float32, so the output is rounded to bfloat16 once, by the
 // caller, where HF's eager bfloat16 attention rounds each product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -54,16 +62,26 @@ inline v8 exp8(v8 x) {
 }
 
 #ifdef __clang__
-#define TLT_SWAP(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define TLT_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define TLT_SWAP(v, ...) __builtin_shuffle(v, v8i{__VA_ARGS__})
+#define TLT_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
 #endif
 
-inline float hsum(v8 v) {  // a fixed order: ((0+4) + (2+6)) + ((1+5) + (3+7))
-  v = v + TLT_SWAP(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v + TLT_SWAP(v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v = v + TLT_SWAP(v, 1, 0, 3, 2, 5, 4, 7, 6);
-  return v[0];
+constexpr int64_t MAX_GROUP = 16;  // query heads per key head (GQA): SmolLM2 3, Qwen2.5-7B 7
+constexpr int64_t VB = 4;          // value vectors accumulated per pass over the keys, per query head
+
+// Eight vectors' lane sums, lane k = a[k]'s, each in one fixed order: ((0+4) + (2+6)) + ((1+5) + (3+7)).
+// Eight keys' dot products are summed at once (one key's alone would cost as many shuffles), and
+// every lane's order is the same, so a key's score does not depend on its place among the eight.
+inline v8 hsum8(const v8* a) {
+  v8 p[4];  // pairs: lanes 0-3 one vector's (i, i + 4) sums, lanes 4-7 the next one's
+  for (int k = 0; k < 4; ++k)
+    p[k] = TLT_SHUFFLE(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           TLT_SHUFFLE(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  // (0+4) + (2+6) and (1+5) + (3+7): lanes of vectors 0, 0, 2, 2, 1, 1, 3, 3 (then 4-7 alike)
+  const v8 q0 = TLT_SHUFFLE(p[0], p[1], 0, 1, 8, 9, 4, 5, 12, 13) + TLT_SHUFFLE(p[0], p[1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8 q1 = TLT_SHUFFLE(p[2], p[3], 0, 1, 8, 9, 4, 5, 12, 13) + TLT_SHUFFLE(p[2], p[3], 2, 3, 10, 11, 6, 7, 14, 15);
+  return TLT_SHUFFLE(q0, q1, 0, 4, 2, 6, 8, 12, 10, 14) + TLT_SHUFFLE(q0, q1, 1, 5, 3, 7, 9, 13, 11, 15);
 }
 
 }  // namespace
@@ -81,59 +99,81 @@ void attend(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Ten
   float* op = out.data_ptr<float>();
   const int64_t group = h / kv, vecs = hd / 8;
   const auto qs = q.strides(), ks = keys.strides(), vs = values.strides(), ms = mask.strides();
-  at::parallel_for(0, B * T * h, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int64_t> slots;
-    std::vector<float> p;
+  TORCH_CHECK(group <= MAX_GROUP, "attention: at most ", MAX_GROUP, " query heads per key head");
+  at::parallel_for(0, B * kv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> seen;  // [T][S]: may query t see slot s
+    std::vector<float> score;   // [T * group][n8]: each query head's scores, then weights
+    std::vector<float> wide;    // [8][hd]: a block of bfloat16 keys widened once for every query head
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (T * h), t = i / h % T, head = i % h, kvh = head / group;
-      if (i == i0 || head == 0) {  // the visible slots of row b's query t (its heads come in a run)
-        slots.clear();
+      const int64_t b = i / kv, kvh = i % kv, Q = T * group;
+      int64_t n = 0;  // slots 0..n-1 hold every key some query of row b sees
+      seen.assign(T * S, 0);
+      for (int64_t t = 0; t < T; ++t) {
         const bool* m = mp + b * ms[0] + t * ms[1];
+        int64_t count = 0;
         for (int64_t s = 0; s < S; ++s)
-          if (m[s * ms[2]]) slots.push_back(s);
+          if (m[s * ms[2]]) seen[t * S + s] = 1, n = std::max(n, s + 1), ++count;
+        TORCH_CHECK(count > 0, "attention: a query that sees no key");
       }
-      const int64_t n = static_cast<int64_t>(slots.size());
-      TORCH_CHECK(n > 0, "attention: a query that sees no key");
-      const float* qv = qp + b * qs[0] + t * qs[1] + head * qs[2];
+      const int64_t n8 = (n + 7) / 8 * 8;
       const KV* kb = kp + b * ks[0] + kvh * ks[2];
       const KV* vb = vp + b * vs[0] + kvh * vs[2];
-      p.assign((n + 7) / 8 * 8, 0.0f);
-      float top = -INFINITY;
-      int64_t j = 0;
-      for (; j + 4 <= n; j += 4) {  // four keys' chains interleaved; each key's arithmetic is the same
-        const KV *k0 = kb + slots[j] * ks[1], *k1 = kb + slots[j + 1] * ks[1];
-        const KV *k2 = kb + slots[j + 2] * ks[1], *k3 = kb + slots[j + 3] * ks[1];
-        v8 a0 = v8{}, a1 = v8{}, a2 = v8{}, a3 = v8{};
-        for (int64_t d = 0; d < vecs; ++d) {
-          const v8 x = load8(qv + 8 * d);
-          a0 = madd(a0, x, load8(k0 + 8 * d));
-          a1 = madd(a1, x, load8(k1 + 8 * d));
-          a2 = madd(a2, x, load8(k2 + 8 * d));
-          a3 = madd(a3, x, load8(k3 + 8 * d));
+      const float* qb = qp + b * qs[0] + kvh * group * qs[2];  // query head r = (t, g): qb + t qs[1] + g qs[2]
+      score.assign(Q * n8, 0.0f);
+      wide.resize(8 * hd);
+      for (int64_t s0 = 0; s0 < n; s0 += 8) {  // eight slots' keys, read once for all T * group query heads
+        const float* k[8];
+        for (int e = 0; e < 8; ++e) {
+          const KV* key = kb + std::min(s0 + e, n - 1) * ks[1];  // past n: unused lanes
+          if constexpr (std::is_same_v<KV, float>) {
+            k[e] = key;
+          } else {
+            for (int64_t d = 0; d < vecs; ++d) store8(&wide[e * hd + 8 * d], load8(key + 8 * d));
+            k[e] = &wide[e * hd];
+          }
         }
-        p[j] = hsum(a0) * sc, p[j + 1] = hsum(a1) * sc, p[j + 2] = hsum(a2) * sc, p[j + 3] = hsum(a3) * sc;
-      }
-      for (; j < n; ++j) {
-        const KV* k = kb + slots[j] * ks[1];
-        v8 acc = v8{};
-        for (int64_t d = 0; d < vecs; ++d) acc = madd(acc, load8(qv + 8 * d), load8(k + 8 * d));
-        p[j] = hsum(acc) * sc;
-      }
-      for (j = 0; j < n; ++j) top = std::max(top, p[j]);
-      float total = 0.0f;
-      for (int64_t j = 0; j < n; j += 8) store8(&p[j], exp8(load8(&p[j]) - splat(top)));
-      for (int64_t j = 0; j < n; ++j) total += p[j];
-      v8 acc[16];
-      float* o = op + ((b * T + t) * h + head) * hd;
-      for (int64_t d0 = 0; d0 < vecs; d0 += 16) {  // 16 vectors (128 values of hd) at a time
-        const int64_t w = std::min<int64_t>(16, vecs - d0);
-        for (int64_t d = 0; d < w; ++d) acc[d] = v8{};
-        for (int64_t j = 0; j < n; ++j) {
-          const KV* v = vb + slots[j] * vs[1] + 8 * d0;
-          const v8 pj = splat(p[j]);
-          for (int64_t d = 0; d < w; ++d) acc[d] = madd(acc[d], pj, load8(v + 8 * d));
+        for (int64_t r = 0; r < Q; ++r) {  // eight keys' chains interleaved; each key's arithmetic is the same
+          const float* qv = qb + (r / group) * qs[1] + (r % group) * qs[2];
+          v8 acc[8] = {};
+          for (int64_t d = 0; d < vecs; ++d) {
+            const v8 x = load8(qv + 8 * d);
+            for (int e = 0; e < 8; ++e) acc[e] = madd(acc[e], x, load8(k[e] + 8 * d));
+          }
+          store8(&score[r * n8 + s0], hsum8(acc) * splat(sc));
         }
-        for (int64_t d = 0; d < w; ++d) store8(o + 8 * (d0 + d), acc[d] / splat(total));
+      }
+      float total[MAX_GROUP];
+      for (int64_t t = 0; t < T; ++t) {
+        const uint8_t* vis = &seen[t * S];
+        for (int64_t g = 0; g < group; ++g) {  // softmax over the slots query t sees; the rest weigh 0
+          float* p = &score[(t * group + g) * n8];
+          float top = -INFINITY;
+          for (int64_t s = 0; s < n; ++s)
+            if (vis[s]) top = std::max(top, p[s]);
+          for (int64_t s = 0; s < n; s += 8) store8(p + s, exp8(load8(p + s) - splat(top)));
+          float sum = 0.0f;
+          for (int64_t s = 0; s < n; ++s)
+            if (vis[s]) sum += p[s];
+          total[g] = sum;
+        }
+        for (int64_t d0 = 0; d0 < vecs; d0 += VB) {  // VB vectors of hd at a time, for the group's heads
+          const int64_t w = std::min<int64_t>(VB, vecs - d0);
+          v8 acc[MAX_GROUP][VB] = {};
+          for (int64_t s = 0; s < n; ++s) {
+            if (!vis[s]) continue;
+            const KV* v = vb + s * vs[1] + 8 * d0;
+            v8 x[VB];
+            for (int64_t d = 0; d < w; ++d) x[d] = load8(v + 8 * d);
+            for (int64_t g = 0; g < group; ++g) {
+              const v8 pj = splat(score[(t * group + g) * n8 + s]);
+              for (int64_t d = 0; d < w; ++d) acc[g][d] = madd(acc[g][d], pj, x[d]);
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            float* o = op + ((b * T + t) * h + kvh * group + g) * hd + 8 * d0;
+            for (int64_t d = 0; d < w; ++d) store8(o + 8 * d, acc[g][d] / splat(total[g]));
+          }
+        }
       }
     }
   });
