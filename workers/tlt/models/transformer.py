@@ -239,9 +239,10 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | Key
     """Attention of new queries q [B, h, T, hd] over cache keys/values [B, kv, S, hd] (GQA: kv divides
     h), mask [B, T, S] (True = may attend; or its KeyLayout, built once per forward) -> [B, h, T, hd].
 
-    On the CPU a query gets the same bits whatever else is in the pass: alone (a decode step) or
-    beside the other draft tokens of a verify pass, and whatever masked slots surround its keys
-    (other rows' longer prefixes, tree siblings between its ancestors). Greedy SD is then
+    On the CPU (but for float32 where our kernel cannot be built, which takes SDPA; see
+    invariant_attention) a query gets the same bits whatever else is in the pass: alone (a decode
+    step) or beside the other draft tokens of a verify pass, and whatever masked slots surround its
+    keys (other rows' longer prefixes, tree siblings between its ancestors). Greedy SD is then
     token-identical to plain decoding by construction, not only where no near-tie falls. PyTorch's
     CPU SDPA is not: it blocks queries and keys by the pass's shape, and bfloat16's 8-bit logits
     turned that into flipped tokens (README "Rollout"). A decode step's or a verify pass's few

@@ -17,15 +17,17 @@
 // its ancestors' slots), or beside rows with longer prefixes, it computes the same.
 //
 // What is shared is only the reading. One task takes a row's key head for all the pass's queries
-// and the query heads that share that key head (GQA): a verify pass of T tokens over S keys reads
-// each key once, not T * group times, which bounded the kernel by memory traffic (a 4-row, 9-token
-// tree pass over 800 keys: 1.7 ms per layer). Scores are computed for every slot up to the row's
-// last visible one and the slots a query may not see get weight 0 and are skipped in its sums, so
-// its sums run over exactly its visible keys, in order, from zero.
+// and the query heads that share that key head (GQA): a verify pass of T tokens reads each key
+// once, not T * group times (a 4-row, 9-token tree pass over 800 bfloat16 keys on 2 AMX Xeon
+// cores: 1.29 ms per layer, 1.66 when each query head read its own; the bits are the same). Scores
+// are computed for every slot up to the row's last visible one; the slots a query may not see are
+// left out of its maximum and its sums, so those run over exactly its visible keys, in order, from
+// zero.
 //
 // A bfloat16 cache is read as it is stored (half the bytes) and widened to float32 exactly (a block
-// of keys once for all its query heads, values in registers); the products and sums stay float32, so the output is rounded to bfloat16 once, by the
-// caller, where HF's eager bfloat16 attention rounds each product.
+// of keys once for all its query heads, values in registers); the products and sums stay float32,
+// so the output is rounded to bfloat16 once, by the caller, where HF's eager bfloat16 attention
+// rounds each product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
