@@ -159,3 +159,44 @@ def test_a_query_gets_the_same_bits_however_many_masked_keys_follow_its_own(path
         differ += [(L, S) for S in range(L + 1, L + 200)
                    if not torch.equal(cached_attention(q, k[:, :, :S], v[:, :, :S], causal_mask(lengths, T, S)), alone)]
     assert differ == []
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("heads", [(9, 3), (7, 1)], ids=["gqa3", "gqa7"])  # query, key heads
+@pytest.mark.parametrize("hd", [64, 136])
+def test_the_attention_step_kernel_gives_the_bits_of_the_ops_it_replaces(path, heads, hd, monkeypatch):
+    """cpu_kernels.attention_step (rope, cache writes, attention in one call) against the PyTorch ops
+    it stands in for, on a decode step and a tree verify pass: the same logits and the same caches,
+    bit for bit, so every other test here holds for both."""
+    dtype, kernel = path
+    if not kernel:
+        pytest.skip("the step kernel is our kernel's")
+    torch.manual_seed(0)
+    h, kv = heads
+    cfg = transformer.ModelConfig(vocab_size=512, hidden_size=h * hd, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=h, num_key_value_heads=kv)
+    model = transformer.Transformer(cfg)
+    transformer.init_weights(model, 0.05)
+    model = model.to(dtype).eval()
+    tree = Tree(torch.tensor([[5, 9, 11, 3, 7], [2, 4, 6, 8, 10]]), torch.tensor([[-1, 0, 0, 1, 3]] * 2),
+                torch.tensor([[0, 1, 1, 2, 3]] * 2), torch.ones(2, 5, dtype=torch.bool), 3, False)
+
+    step_kernel = transformer.step_kernel
+
+    def run(fused: bool):
+        monkeypatch.setattr(transformer, "step_kernel", step_kernel if fused else lambda *_: False)
+        cache, outs = model.new_cache(2, 64), []
+        prompt = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+        model(prompt, torch.arange(20).expand(2, 20), cache)
+        cache.lengths += torch.tensor([20, 17])  # rows of other lengths: the second's last 3 slots are stale
+        outs.append(model(tree.tokens[:, :1], cache.lengths[:, None], cache).logits)  # a decode step
+        cache.lengths += 1
+        n = cache.lengths
+        outs.append(model(tree.tokens, n[:, None] + tree.depth, cache, write_pos=n[:, None] + torch.arange(5),
+                          mask=tree_mask(n, ancestors(tree), int(n.max()) + 5)).logits)
+        return outs, cache
+
+    (fused, fused_cache), (ops, ops_cache) = run(True), run(False)
+    assert step_kernel(torch.zeros(1, 1, h * hd, dtype=dtype), fused_cache, torch.ones(1, 1, 1, dtype=torch.bool), hd)
+    assert all(torch.equal(a, b) for a, b in zip(fused, ops))
+    assert all(torch.equal(a, b) for a, b in zip(fused_cache.k + fused_cache.v, ops_cache.k + ops_cache.v))

@@ -28,7 +28,8 @@ def _force_fixed_shapes(monkeypatch) -> None:
         return not linear._autograd(x, w)
     monkeypatch.setattr(linear, "cuda_fixed_shape", inference)
     monkeypatch.setattr(transformer, "cuda_fixed_shape", inference)
-    monkeypatch.setattr(transformer, "kernel_attention", lambda *_: False)  # CPU only: never on a GPU
+    for kernel in ("kernel_attention", "step_kernel"):  # our CPU kernels: never on a GPU
+        monkeypatch.setattr(transformer, kernel, lambda *_: False)
     # every few-row product now runs padded F.linear whatever the kernel, so the tuner would time
     # equals and cache "linear" for SmolLM2's shapes, which later tests' unpadded CPU models read
     monkeypatch.setenv("TLT_KERNEL", "linear")

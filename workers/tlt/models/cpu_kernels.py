@@ -96,3 +96,13 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
     where mask [B, T, S] allows -> float32 [B, T, h, hd]; each query computed alone, in float32
     (csrc/attention.cpp). hd % 8 == 0."""
     return _extension().attention(q, keys, values, mask, scale)
+
+
+def attention_step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kcache: Tensor, vcache: Tensor,
+                   write_pos: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """A decode step's or verify pass's attention block after its q/k/v product, in one call: q
+    [B, T, h * hd] and k, v [B, T, kv * hd] (views of the product's columns will do) rotated by
+    cos/sin [B, T, hd], k and v written at cache slots write_pos [B, T] of kcache/vcache [B, L, kv,
+    hd], then `attention` of q over the slots mask [B, T, S] allows -> [B, T, h * hd], all in q's
+    dtype (float32 or bfloat16) and with the bits of those steps done one by one in PyTorch."""
+    return _extension().attention_step(q, k, v, cos, sin, kcache, vcache, write_pos, mask, scale)

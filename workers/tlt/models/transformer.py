@@ -307,6 +307,16 @@ def kernel_attention(q: Tensor, keys: Tensor, values: Tensor) -> bool:
             and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)))
 
 
+def step_kernel(q: Tensor, cache: KVCache, mask: Tensor | KeyLayout | None, head_dim: int) -> bool:
+    """A decode step's or verify pass's attention block (rope, cache writes, attention) takes
+    cpu_kernels.attention_step where its attention would take our kernel (kernel_attention): one
+    call instead of ~25 small ops per layer, with their bits. Not for the drafter's unrolled
+    training, whose cache keeps gradients (KVCache.differentiable)."""
+    B, T, _ = q.shape
+    return (not cache.differentiable and isinstance(mask, Tensor) and cache.k[0].dtype == q.dtype
+            and few_queries_to_kernel(q, B * T, head_dim) and not (torch.is_grad_enabled() and q.requires_grad))
+
+
 def few_queries_to_kernel(x: Tensor, queries: int, head_dim: int) -> bool:
     """Whether `queries` queries in x's dtype and device (a pass's, in all rows) take our kernel."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and 0 < queries <= MAX_FEW_ROWS
@@ -338,6 +348,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         q, k, v = self.qkv(x)
+        if cache is not None and step_kernel(q, cache, mask, hd):  # the rest of the block in one call
+            out = cpu_kernels.attention_step(q, k, v, *rope, cache.k[layer], cache.v[layer], write_pos, mask, hd ** -0.5)
+            return self.o_proj(out)
         q = _apply_rope(q.view(B, T, -1, hd), *rope)
         k = _apply_rope(k.view(B, T, -1, hd), *rope)
         v = v.reshape(B, T, -1, hd)

@@ -204,3 +204,102 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
            reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), keys, values, mask, sc, out);
   return out;
 }
+
+// --- the attention block of a decode step or verify pass, from its q/k/v product ----------------
+//
+// In a decode step the ~25 small PyTorch ops around the kernel (rotating q and k, writing k and v
+// into the cache, the layout changes and casts) cost more than the kernel itself. attention_step
+// does them in one call, with the bits those ops give: the rotation is HF's rotate-half with
+// PyTorch's eager rounding (x cos and rotate(x) sin each rounded to the dtype, then their sum), the
+// queries are widened to float32 exactly, and the output is rounded to the dtype once.
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename X>
+inline X narrow(float x) { return X(x); }  // bfloat16: round to nearest even, as PyTorch's casts do
+
+// one head's hd values rotated by cos/sin. Each product and the sum are rounded on their own, as the
+// eager ops round them: no fused multiply-add may merge them (float32's bits would change)
+template <typename X>
+__attribute__((optimize("fp-contract=off"))) void rotate(const X* x, const X* c, const X* s, int64_t hd, X* out) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < hd; ++i) {
+    const float turned = i < half ? -widen(x[i + half]) : widen(x[i - half]);
+    const X a = narrow<X>(widen(x[i]) * widen(c[i])), b = narrow<X>(turned * widen(s[i]));
+    out[i] = narrow<X>(widen(a) + widen(b));
+  }
+}
+
+// q [B, T, h * hd], k/v [B, T, kv * hd] (the product's split columns: any strides but the last),
+// cos/sin [B, T, hd]; writes the rotated k and v at cache slots write_pos [B, T] of kcache/vcache
+// [B, L, kv, hd] and returns the attention of the rotated q over the slots mask [B, T, S] allows
+template <typename X>
+torch::Tensor step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& kcache, const torch::Tensor& vcache,
+                   const torch::Tensor& write_pos, const torch::Tensor& mask, float sc) {
+  const int64_t B = q.size(0), T = q.size(1), hd = kcache.size(3), kv = kcache.size(2), h = q.size(2) / hd;
+  const int64_t L = kcache.size(1);
+  auto qf = torch::empty({B, T, h, hd}, q.options().dtype(at::kFloat));
+  float* qfp = qf.data_ptr<float>();
+  X* kc = kcache.data_ptr<X>();
+  X* vc = vcache.data_ptr<X>();
+  const auto wp = write_pos.accessor<int64_t, 2>();
+  std::vector<X> turned(hd);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const X* c = cos.data_ptr<X>() + b * cos.stride(0) + t * cos.stride(1);
+      const X* s = sin.data_ptr<X>() + b * sin.stride(0) + t * sin.stride(1);
+      const X* qt = q.data_ptr<X>() + b * q.stride(0) + t * q.stride(1);
+      for (int64_t head = 0; head < h; ++head) {
+        rotate(qt + head * hd, c, s, hd, turned.data());
+        for (int64_t i = 0; i < hd; ++i) qfp[((b * T + t) * h + head) * hd + i] = widen(turned[i]);
+      }
+      const int64_t slot = wp[b][t];
+      TORCH_CHECK(0 <= slot && slot < L, "attention_step: a write position outside the cache");
+      const X* kt = k.data_ptr<X>() + b * k.stride(0) + t * k.stride(1);
+      const X* vt = v.data_ptr<X>() + b * v.stride(0) + t * v.stride(1);
+      X* kdst = kc + (b * L + slot) * kv * hd;
+      for (int64_t head = 0; head < kv; ++head) rotate(kt + head * hd, c, s, hd, kdst + head * hd);
+      std::memcpy(vc + (b * L + slot) * kv * hd, vt, kv * hd * sizeof(X));
+    }
+  const int64_t S = mask.size(2);
+  const auto keys = kcache.narrow(1, 0, S), values = vcache.narrow(1, 0, S);
+  auto out = torch::empty({B, T, h, hd}, qf.options());
+  if constexpr (std::is_same_v<X, float>)
+    attend(qf, kc, vc, keys, values, mask, sc, out);
+  else
+    attend(qf, reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc), keys, values, mask, sc,
+           out);
+  return out.view({B, T, h * hd}).to(q.scalar_type());
+}
+
+}  // namespace
+
+torch::Tensor attention_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kcache,
+                             const torch::Tensor& vcache, const torch::Tensor& write_pos, const torch::Tensor& mask,
+                             double scale) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "attention_step: float32 or bfloat16");
+  for (const auto* t : {&q, &k, &v, &cos, &sin, &kcache, &vcache})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dt && t->stride(-1) == 1,
+                "attention_step: CPU tensors of one dtype, the last dimension contiguous");
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == v.sizes() && kcache.dim() == 4 && kcache.sizes() == vcache.sizes() &&
+              kcache.is_contiguous() && vcache.is_contiguous(), "attention_step: q/k/v [B, T, heads * hd], "
+              "contiguous caches [B, L, kv, hd]");
+  const int64_t B = q.size(0), T = q.size(1), kv = kcache.size(2), hd = kcache.size(3);
+  TORCH_CHECK(hd % 8 == 0 && q.size(2) % hd == 0 && (q.size(2) / hd) % kv == 0 && k.size(0) == B && k.size(1) == T &&
+              k.size(2) == kv * hd && kcache.size(0) == B && cos.sizes() == sin.sizes() && cos.size(0) == B &&
+              cos.size(1) == T && cos.size(2) == hd && write_pos.scalar_type() == at::kLong &&
+              write_pos.size(0) == B && write_pos.size(1) == T && mask.scalar_type() == at::kBool &&
+              mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T && mask.size(2) <= kcache.size(1),
+              "attention_step: shapes");
+  const float sc = static_cast<float>(scale);
+  if (dt == at::kFloat) return step<float>(q, k, v, cos, sin, kcache, vcache, write_pos, mask, sc);
+  return step<at::BFloat16>(q, k, v, cos, sin, kcache, vcache, write_pos, mask, sc);
+}

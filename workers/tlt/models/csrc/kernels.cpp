@@ -6,4 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a float32 or bfloat16 [out, in] weight in gemv's blocked layout");
   m.def("gemv", &gemv, "few-row float32 x @ w.T from the packed (float32 or bfloat16) weight, row-invariant (csrc/gemv.cpp)");
   m.def("attention", &attention, "few-query float32 attention over a KV cache, query-invariant (csrc/attention.cpp)");
+  m.def("attention_step", &attention_step, "a decode step's or verify pass's attention block from its q/k/v product: "
+        "rope, cache writes, attention (csrc/attention.cpp)");
 }
