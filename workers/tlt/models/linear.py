@@ -147,10 +147,12 @@ class Linear(nn.Linear):
             return cpu_kernels.linear(x2, packed, w.shape[0], self.bias).reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:
             y = _onednn(x2, self._packed_weight(), self.bias)
-        else:  # a decode step or verify pass: products no larger than those checked row-invariant,
-            # whichever kernel (PyTorch's bfloat16 linear on AMX, too, rounds otherwise beyond 32 rows)
-            parts = x2.split(invariant_rows(x.dtype))
-            y = torch.cat([self._few_rows(p, kernel) for p in parts]) if len(parts) > 1 else self._few_rows(x2, kernel)
+        elif rows <= (chunk := invariant_rows(x.dtype)):  # a decode step or verify pass: products no
+            # larger than those checked row-invariant, whichever kernel (PyTorch's bfloat16 linear on
+            # AMX, too, rounds otherwise beyond 32 rows)
+            y = self._few_rows(x2, kernel)
+        else:
+            y = torch.cat([self._few_rows(p, kernel) for p in x2.split(chunk)])
         return y.reshape(*x.shape[:-1], -1)
 
     def _few_rows(self, x2: Tensor, kernel: str) -> Tensor:
@@ -208,22 +210,25 @@ class Fused:
         w = self.parts[0].weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if self.active and 0 < rows <= MAX_FEW_ROWS and _ONEDNN and _cpu_inference(x, w) and not w.is_inference():
-            return self.layer()(x).split(self.sizes, -1)
+            return self.layer()(x).split_with_sizes(self.sizes, -1)
         return tuple(p(x) for p in self.parts)
+
+    def layer(self) -> Linear:
+        """The stacked Linear over the parts' current weights."""
+        key = tuple((t.data_ptr(), t._version) for p in self.parts for t in (p.weight, p.bias) if t is not None)
+        if self._layer is None or self._layer[0] != key:
+            self._layer = (key, self._stack())
+        return self._layer[1]
 
     @torch.inference_mode(False)  # a stacked copy made inside inference mode could not be packed
     @torch.no_grad()
-    def layer(self) -> Linear:
-        """The stacked Linear over the parts' current weights."""
-        key = tuple((t.data_ptr(), t._version) for p in self.parts for t in p.parameters())
-        if self._layer is None or self._layer[0] != key:
-            layer = Linear.frozen(torch.cat([p.weight for p in self.parts]))
-            if self.parts[0].bias is not None:
-                layer.bias = nn.Parameter(torch.cat([p.bias for p in self.parts]), requires_grad=False)
-            if kernels := self._stacked_kernels():
-                layer.kernel, layer.bulk_kernel = kernels
-            self._layer = (key, layer)
-        return self._layer[1]
+    def _stack(self) -> Linear:
+        layer = Linear.frozen(torch.cat([p.weight for p in self.parts]))
+        if self.parts[0].bias is not None:
+            layer.bias = nn.Parameter(torch.cat([p.bias for p in self.parts]), requires_grad=False)
+        if kernels := self._stacked_kernels():
+            layer.kernel, layer.bulk_kernel = kernels
+        return layer
 
 
 def _onednn(x2: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
