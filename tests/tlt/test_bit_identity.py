@@ -200,3 +200,17 @@ def test_the_attention_step_kernel_gives_the_bits_of_the_ops_it_replaces(path, h
     assert step_kernel(torch.zeros(1, 1, h * hd, dtype=dtype), fused_cache, torch.ones(1, 1, 1, dtype=torch.bool), hd)
     assert all(torch.equal(a, b) for a, b in zip(fused, ops))
     assert all(torch.equal(a, b) for a, b in zip(fused_cache.k + fused_cache.v, ops_cache.k + ops_cache.v))
+
+
+@_KERNEL
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [(1, 1), (4, 9), (300,)], ids=["decode", "tree", "prefill"])
+def test_the_norm_kernel_gives_the_bits_of_the_norms_ops(dtype, rows):
+    norm = transformer.RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=torch.Generator().manual_seed(1)))
+    norm = norm.to(dtype)
+    x = torch.randn(*rows, 576, generator=torch.Generator().manual_seed(0)).mul(3).to(dtype)
+    got = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+    assert got.dtype == dtype and torch.equal(got, norm._norm(x))

@@ -34,7 +34,7 @@ from .policies import REPO_ROOT
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("kernels.cpp", "gemv.cpp", "attention.cpp", "simd.h")  # kernels.cpp includes the others
+SOURCES = ("kernels.cpp", "gemv.cpp", "attention.cpp", "norm.cpp", "simd.h")  # kernels.cpp includes the others
 
 
 @functools.cache
@@ -106,3 +106,9 @@ def attention_step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kc
     hd], then `attention` of q over the slots mask [B, T, S] allows -> [B, T, h * hd], all in q's
     dtype (float32 or bfloat16) and with the bits of those steps done one by one in PyTorch."""
     return _extension().attention_step(q, k, v, cos, sin, kcache, vcache, write_pos, mask, scale)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformer.RMSNorm's ops on CPU inference tensors, issued from C++: the same bits, without
+    Python's overhead per op (csrc/norm.cpp)."""
+    return _extension().rms_norm(x, weight, eps)

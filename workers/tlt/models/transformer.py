@@ -167,6 +167,8 @@ class RMSNorm(nn.Module):
         if x.numel() <= MAX_FEW_ROWS * x.shape[-1] and cuda_fixed_shape(x):  # the row sums' kernel
             # follows the row count (linear.padded_rows)
             return padded_rows(self._norm, x)
+        if x.device.type == "cpu" and not torch.is_grad_enabled() and cpu_kernels.available():
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)  # the same ops, issued from C++
         return self._norm(x)
 
     def _norm(self, x: Tensor) -> Tensor:
