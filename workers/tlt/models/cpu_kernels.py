@@ -8,7 +8,10 @@ bytes in 3.5 ms. csrc/gemv.cpp streams a packed copy of the weight once and mult
 vector into up to six rows: 3.7 ms at one row, 6.5 at seven. It is one more candidate for
 linear.tune(), which keeps it only where it measures fastest and row-invariant. Its SDPA likewise
 pays its blocking and buffers in every layer for a few queries; `attention` reads the keys each
-query may see, in order, and nothing else (transformer.cached_attention).
+query may see, in order, and nothing else (transformer.cached_attention). Around it, a decode step's
+small ops cost as much as the kernels at one row, so `attention_step` does a layer's rope, cache
+writes and attention in one call and `rms_norm` issues RMSNorm's ops from C++ (csrc/norm.cpp), both
+with the bits of the PyTorch ops they replace.
 
 Built with the system's C++ compiler into var/build/ as one translation unit (csrc/kernels.cpp;
 about a minute, once per CPU kind and torch version: -march=native code must never run on another
