@@ -19,7 +19,9 @@
 // What is shared is only the reading. One task takes a row's key head for all the pass's queries
 // and the query heads that share that key head (GQA): a verify pass of T tokens reads each key
 // once, not T * group times (a 4-row, 9-token tree pass over 800 bfloat16 keys on 2 AMX Xeon
-// cores: 1.29 ms per layer, 1.66 when each query head read its own; the bits are the same). Scores
+// cores: 1.29 ms per layer, 1.66 when each query head read its own; the bits are the same). Where
+// that leaves a thread fewer than two tasks (one row: SmolLM2's 3 key heads on 2 threads), the
+// pass's tokens are split into runs, a task each, and a key is read once per run. Scores
 // are computed for every slot up to the row's last visible one; the slots a query may not see are
 // left out of its maximum and its sums, so those run over exactly its visible keys, in order, from
 // zero.
@@ -102,16 +104,22 @@ void attend(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Ten
   const int64_t group = h / kv, vecs = hd / 8;
   const auto qs = q.strides(), ks = keys.strides(), vs = values.strides(), ms = mask.strides();
   TORCH_CHECK(group <= MAX_GROUP, "attention: at most ", MAX_GROUP, " query heads per key head");
-  at::parallel_for(0, B * kv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint8_t> seen;  // [T][S]: may query t see slot s
-    std::vector<float> score;   // [T * group][n8]: each query head's scores, then weights
+  // a task per (row, key head, run of the pass's tokens): the runs only as short as it takes to give
+  // every thread two tasks (one row's 9-token pass has but 3 key heads for 2 threads)
+  const int64_t runs = std::max<int64_t>(1, std::min(T, (2 * at::get_num_threads() + B * kv - 1) / (B * kv)));
+  const int64_t per_run = (T + runs - 1) / runs;
+  at::parallel_for(0, B * kv * runs, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> seen;  // [Tr][S]: may the run's query t see slot s
+    std::vector<float> score;   // [Tr * group][n8]: each query head's scores, then weights
     std::vector<float> wide;    // [8][hd]: a block of bfloat16 keys widened once for every query head
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / kv, kvh = i % kv, Q = T * group;
-      int64_t n = 0;  // slots 0..n-1 hold every key some query of row b sees
-      seen.assign(T * S, 0);
-      for (int64_t t = 0; t < T; ++t) {
-        const bool* m = mp + b * ms[0] + t * ms[1];
+      const int64_t b = i / (kv * runs), kvh = i / runs % kv, t0 = i % runs * per_run;
+      const int64_t Tr = std::min(per_run, T - t0), Q = Tr * group;
+      if (Tr <= 0) continue;  // the last runs of a short pass
+      int64_t n = 0;  // slots 0..n-1 hold every key some query of the run sees
+      seen.assign(Tr * S, 0);
+      for (int64_t t = 0; t < Tr; ++t) {
+        const bool* m = mp + b * ms[0] + (t0 + t) * ms[1];
         int64_t count = 0;
         for (int64_t s = 0; s < S; ++s)
           if (m[s * ms[2]]) seen[t * S + s] = 1, n = std::max(n, s + 1), ++count;
@@ -120,10 +128,10 @@ void attend(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Ten
       const int64_t n8 = (n + 7) / 8 * 8;
       const KV* kb = kp + b * ks[0] + kvh * ks[2];
       const KV* vb = vp + b * vs[0] + kvh * vs[2];
-      const float* qb = qp + b * qs[0] + kvh * group * qs[2];  // query head r = (t, g): qb + t qs[1] + g qs[2]
+      const float* qb = qp + b * qs[0] + t0 * qs[1] + kvh * group * qs[2];  // query head r = (t, g): + t qs[1] + g qs[2]
       score.assign(Q * n8, 0.0f);
       wide.resize(8 * hd);
-      for (int64_t s0 = 0; s0 < n; s0 += 8) {  // eight slots' keys, read once for all T * group query heads
+      for (int64_t s0 = 0; s0 < n; s0 += 8) {  // eight slots' keys, read once for all the run's query heads
         const float* k[8];
         for (int e = 0; e < 8; ++e) {
           const KV* key = kb + std::min(s0 + e, n - 1) * ks[1];  // past n: unused lanes
@@ -145,7 +153,7 @@ void attend(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Ten
         }
       }
       float total[MAX_GROUP];
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = 0; t < Tr; ++t) {
         const uint8_t* vis = &seen[t * S];
         for (int64_t g = 0; g < group; ++g) {  // softmax over the slots query t sees; the rest weigh 0
           float* p = &score[(t * group + g) * n8];
@@ -172,7 +180,7 @@ void attend(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Ten
             }
           }
           for (int64_t g = 0; g < group; ++g) {
-            float* o = op + ((b * T + t) * h + kvh * group + g) * hd + 8 * d0;
+            float* o = op + ((b * T + t0 + t) * h + kvh * group + g) * hd + 8 * d0;
             for (int64_t d = 0; d < w; ++d) store8(o + 8 * d, acc[g][d] / splat(total[g]));
           }
         }
