@@ -161,16 +161,15 @@ def test_a_query_gets_the_same_bits_however_many_masked_keys_follow_its_own(path
     assert differ == []
 
 
+@_KERNEL
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("heads", [(9, 3), (7, 1)], ids=["gqa3", "gqa7"])  # query, key heads
 @pytest.mark.parametrize("hd", [64, 136])
-def test_the_attention_step_kernel_gives_the_bits_of_the_ops_it_replaces(path, heads, hd, monkeypatch):
+def test_the_attention_step_kernel_gives_the_bits_of_the_ops_it_replaces(dtype, heads, hd, monkeypatch):
     """cpu_kernels.attention_step (rope, cache writes, attention in one call) against the PyTorch ops
     it stands in for, on a decode step and a tree verify pass: the same logits and the same caches,
     bit for bit, so every other test here holds for both."""
-    dtype, kernel = path
-    if not kernel:
-        pytest.skip("the step kernel is our kernel's")
     torch.manual_seed(0)
     h, kv = heads
     cfg = transformer.ModelConfig(vocab_size=512, hidden_size=h * hd, intermediate_size=256, num_hidden_layers=2,
