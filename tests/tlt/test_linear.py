@@ -300,6 +300,49 @@ def test_tuning_chooses_only_kernels_that_give_a_row_the_same_bits_beside_others
     assert "linear" not in tune(_model()).values()
 
 
+needs_bf16_dot = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.bf16_dot()),
+                                    reason="the bfloat16 gemv kernel needs AVX-512 BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("shape,bias", [((576, 576), False), ((49152, 576), False), ((1001, 301), True)])
+def test_a_bfloat16_models_gemv_sums_exact_products_in_float32_and_gives_a_row_its_bits_whatever_comes_with_it(
+        shape, bias):
+    """csrc/dot_bf16.cpp: a bfloat16 layer's few-row products (SmolLM2's shapes; one that fills no
+    block, has an odd input and a bias) are its float32 product rounded once to bfloat16 but for
+    near-ties, and a row's bits are the same alone (a decode step), beside up to 64 rows (a verify
+    pass) and on 1 or 2 threads (a rollout worker that takes a finished peer's core)."""
+    torch.manual_seed(0)
+    layer = Linear(shape[1], shape[0], bias=bias).to(torch.bfloat16)
+    layer.kernel = "gemv"
+    x = torch.randn(MAX_FEW_ROWS, shape[1]).mul(3).to(torch.bfloat16)
+    exact = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    own = torch.get_num_threads()
+    with torch.inference_mode():
+        try:
+            torch.set_num_threads(1)
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(MAX_FEW_ROWS)])
+        finally:
+            torch.set_num_threads(own)
+        for rows in (2, 3, 5, 12, 13, 25, MAX_FEW_ROWS):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    assert alone.dtype == torch.bfloat16 and layer._blocked is not None
+    assert (alone != exact.to(torch.bfloat16)).float().mean() < 1e-3  # sums rounded apart, not the products
+    torch.testing.assert_close(alone.float(), exact, rtol=8e-3, atol=1e-2)
+
+
+@needs_bf16_dot
+def test_a_bfloat16_weight_update_reaches_the_gemv_kernel():
+    torch.manual_seed(0)
+    layer = Linear(256, 96, bias=False).to(torch.bfloat16)
+    layer.kernel = "gemv"
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(-1)  # a weight sync's in-place copy
+        torch.testing.assert_close(layer(x), -before)
+
+
 @needs_gemv
 def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_dtypes_to_f_linear(monkeypatch):
     calls = []
@@ -313,10 +356,10 @@ def test_the_gemv_kernel_runs_float32_from_its_own_packed_copy_and_leaves_other_
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         assert calls == [6] and layer._blocked is not None and layer._packed is None
         layer(torch.randn(MAX_FEW_ROWS + 1, 256))  # more than a few rows: the bulk kernel
-        half = Linear(256, 330).to(torch.bfloat16)
+        half = Linear(256, 330).to(torch.float16)
         half.kernel = "gemv"
-        xb = x.to(torch.bfloat16)
-        assert torch.equal(half(xb), F.linear(xb, half.weight, half.bias))  # float32 only
+        xh = x.to(torch.float16)
+        assert torch.equal(half(xh), F.linear(xh, half.weight, half.bias))  # float32 (and bfloat16) only
     assert calls == [6]
 
 
@@ -371,6 +414,17 @@ def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):
     monkeypatch.setenv("TLT_KERNEL", "gemv")
     with pytest.raises(ValueError, match="cannot run on this machine"):
         tune(_model())
+
+
+def test_a_cached_kernel_that_cannot_run_here_is_tuned_again(kernel_cache, monkeypatch):
+    """A choice cached where gemv was built is not reused by a process that cannot build it (it
+    would run PyTorch's linear, whose rows are not invariant everywhere)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear, "_candidates", lambda group: ("gemv",))
+        tune(_model())
+    assert set(tune(_model()).values()) == {"gemv"}  # cached
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert "gemv" not in tune(_model()).values()
 
 
 def test_tlt_kernel_forces_one_kernel_and_a_bad_name_is_refused(monkeypatch):

@@ -452,7 +452,7 @@ def test_engines_sleep_by_default_only_where_the_learner_shares_their_gpus():
 
 
 def test_an_auto_dtype_is_resolved_once_for_the_whole_run(tmp_path):
-    from workers.tlt.models.linear import amx_bf16
+    from workers.tlt.models.linear import bf16_pays
     from workers.tlt.trainer import resolve_dtype
 
     data = preset("smollm2-mathmix-cpu").model_dump(mode="json")
@@ -460,7 +460,7 @@ def test_an_auto_dtype_is_resolved_once_for_the_whole_run(tmp_path):
     data["run"]["device"] = "cpu"
     cfg = load_config(data)
     trainer = Trainer(cfg, tmp_path, Tracking([]))
-    assert trainer.cfg.model.dtype == ("bfloat16" if amx_bf16() else "float32")
+    assert trainer.cfg.model.dtype == ("bfloat16" if bf16_pays() else "float32")
     assert resolve_dtype(cfg, "cuda").model.dtype == "bfloat16"
     data["model"]["dtype"] = "float32"
     assert resolve_dtype(load_config(data), "cuda").model.dtype == "float32"  # an explicit dtype stays

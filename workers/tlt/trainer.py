@@ -72,9 +72,9 @@ def resolve_dtype(cfg: TLTConfig, device: str) -> TLTConfig:
     workers, the learner's weight sync and the drafter warm-up's cache key all see one dtype."""
     if cfg.model.dtype != "auto":
         return cfg
-    from .models.linear import amx_bf16
+    from .models.linear import bf16_pays
 
-    dtype = "bfloat16" if device == "cuda" or amx_bf16() else "float32"
+    dtype = "bfloat16" if device == "cuda" or bf16_pays() else "float32"
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
 
 

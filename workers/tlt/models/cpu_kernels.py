@@ -1,5 +1,6 @@
 """Our own CPU kernels for decode steps and verify passes, compiled for the CPU at hand on
-first use: a few-row product (csrc/gemv.cpp) and a few-query attention (csrc/attention.cpp).
+first use: a few-row product (csrc/gemv.cpp; a bfloat16 model's in csrc/dot_bf16.cpp, on AVX-512 BF16)
+and a few-query attention (csrc/attention.cpp).
 
 PyTorch's CPU kernels are built for products of many rows. At one row (a decode step) they read
 the weights far below the memory's speed: on 2 AVX2 EPYC cores SmolLM2's LM head (113 MB in
@@ -37,7 +38,7 @@ from .policies import REPO_ROOT
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("kernels.cpp", "gemv.cpp", "attention.cpp", "norm.cpp", "simd.h")  # kernels.cpp includes the others
+SOURCES = ("kernels.cpp", "gemv.cpp", "dot_bf16.cpp", "attention.cpp", "norm.cpp", "simd.h")  # kernels.cpp includes the others
 
 
 @functools.cache
@@ -92,6 +93,23 @@ def linear(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> 
     from packed = pack(w)."""
     y = _extension().gemv(x2, packed, out)
     return y if bias is None else y.add_(bias)
+
+
+def bf16_dot() -> bool:
+    """Built with csrc/dot_bf16.cpp's few-row bfloat16 product (the CPU has AVX-512 BF16)."""
+    return available() and _extension().has_bf16_dot()
+
+
+def pack_bf16_pairs(w: Tensor) -> Tensor:
+    """A bfloat16 CPU weight [out, in] in linear_bf16's blocked layout (a copy, made once per weight)."""
+    return _extension().pack_bf16_pairs(w)
+
+
+def linear_bf16(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> Tensor:
+    """x2 [rows, in] @ w[out, in]^T + bias for a bfloat16 model on the CPU, from packed =
+    pack_bf16_pairs(w): exact products, float32 sums, the bias added before one rounding to
+    bfloat16 (csrc/dot_bf16.cpp; where bf16_dot())."""
+    return _extension().gemv_bf16_pairs(x2, packed, out, bias)
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:

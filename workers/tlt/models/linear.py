@@ -34,10 +34,13 @@ autograd take the bulk kernel below):
     linear   F.linear: PyTorch's default (MKL sgemv / small-M sgemm)
     onednn   oneDNN with the weight packed once; a single row is computed as two (the row
              repeated), which takes oneDNN's many-row path, the one several rows take
-    gemv     float32 only: our own kernel (cpu_kernels.py, compiled for the CPU on first use), which
+    gemv     our own kernel (cpu_kernels.py, compiled for the CPU on first use), which
              streams the weights at close to the memory's speed and is row-invariant by
              construction; on 2 AVX2 EPYC cores a SmolLM2 decode step took 40-44 ms through it
-             against 62-67 ms through packed oneDNN, a 7-token verify pass 60-65 against 77-100
+             against 62-67 ms through packed oneDNN, a 7-token verify pass 60-65 against 77-100.
+             float32 everywhere; a bfloat16 model's products where the CPU has AVX-512 BF16
+             (csrc/dot_bf16.cpp: exact products of bfloat16 pairs, float32 sums), where oneDNN's
+             bfloat16 is slower than float32 without AMX
 
 Drafters only: `gemv_bf16` (DRAFT_KERNEL), gemv over a bfloat16 copy of the weight with float32
 sums, set by draft_in_bfloat16() on the layers the tuner gave gemv. Never tuned, never a target's:
@@ -143,6 +146,9 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)  # version counter, which inference tensors lack
         x2 = x.reshape(rows, x.shape[-1])
         if kernel in ("gemv", DRAFT_KERNEL):  # few rows (the bulk kernels are linear and onednn)
+            if x.dtype == torch.bfloat16:  # a bfloat16 model's: AVX-512 BF16 dot products (usable)
+                packed = self._weight_copy("_blocked", cpu_kernels.pack_bf16_pairs)
+                return cpu_kernels.linear_bf16(x2, packed, w.shape[0], self.bias).reshape(*x.shape[:-1], -1)
             packed = self._weight_copy("_blocked", cpu_kernels.pack if kernel == "gemv" else _pack_bf16)
             return cpu_kernels.linear(x2, packed, w.shape[0], self.bias).reshape(*x.shape[:-1], -1)
         if rows > MAX_FEW_ROWS:
@@ -314,10 +320,14 @@ def onednn_bf16() -> bool:
     return _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def amx_bf16() -> bool:
-    """oneDNN multiplies bfloat16 on AMX tiles here: a verify pass of a few tokens then costs about
-    what a one-token decode step does, so bfloat16 pays for SD (config `model.dtype: auto`)."""
-    return onednn_bf16() and "amx_bf16" in cpu_flags()
+def bf16_pays() -> bool:
+    """Does a bfloat16 model decode faster than a float32 one here (config `model.dtype: auto`)?
+    With AMX, oneDNN multiplies bfloat16 on its tiles: a verify pass of a few tokens costs about what
+    a one-token decode step does. With AVX-512 BF16 alone, oneDNN's bfloat16 is slower than float32,
+    but gemv's dot products (csrc/dot_bf16.cpp) stream half the bytes: on 2 AVX-512 EPYC cores a
+    SmolLM2 decode step took 15.0 ms against float32's 26.0, a 6-token verify pass 18.7 against 31.8
+    (bench verify, 2026-12-05)."""
+    return onednn_bf16() and ("amx_bf16" in cpu_flags() or cpu_kernels.bf16_dot())
 
 
 # --- tuning ---------------------------------------------------------------------------------------
@@ -504,7 +514,9 @@ def usable(kernel: str, dtype: torch.dtype) -> bool:
     """Can `kernel` run few-row products of `dtype` here (PyTorch built with oneDNN; gemv built)?"""
     if kernel == "onednn":
         return _ONEDNN
-    if kernel in ("gemv", DRAFT_KERNEL):
+    if kernel == "gemv":  # float32; a bfloat16 model's products where the CPU has AVX-512 BF16
+        return cpu_kernels.available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernels.bf16_dot()))
+    if kernel == DRAFT_KERNEL:
         return dtype == torch.float32 and cpu_kernels.available()
     return True
 
@@ -561,9 +573,11 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
         for (shape, dtype), group in groups.items():
             key = _cache_key(shape, len(group), dtype, rows)
             kernel = cached.get(key)
-            if kernel not in KERNELS and len(candidates := _candidates(group)) == 1:
+            if kernel not in KERNELS or not usable(kernel, dtype):  # e.g. gemv, where it was built once
+                kernel = None
+            if kernel is None and len(candidates := _candidates(group)) == 1:
                 kernel = fresh[key] = candidates[0]
-            elif kernel not in KERNELS:
+            elif kernel is None:
                 per_rows = [_time_group(group, candidates, r, reps) for r in rows]
                 score = {k: sum(t[k] / min(t.values()) for t in per_rows) for k in candidates}
                 low = min(score.values())
