@@ -273,7 +273,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # few tokens, a few rambling to the 1024-token limit), sized for 2 CPU cores; the e2e bench's default.
     "smollm2-mathmix-cpu": {
         "run": {"steps": 20, "checkpoint_interval": 5},
-        # bfloat16 where it decodes faster (AMX; AVX-512 BF16 through gemv: linear.bf16_pays), float32 elsewhere
+        # bfloat16 where it makes the run faster (AMX: linear.bf16_pays), float32 elsewhere
         "model": {"source": "smollm2-135m", "dtype": "auto"},
         "task": {"kind": "mathmix", "prompts_per_step": 8, "hard_fraction": 0.25},
         "rollout": {"num_workers": 2, "samples_per_prompt": 4, "max_new_tokens": 1024, "temperature": 0.7},

@@ -321,13 +321,15 @@ def onednn_bf16() -> bool:
 
 
 def bf16_pays() -> bool:
-    """Does a bfloat16 model decode faster than a float32 one here (config `model.dtype: auto`)?
-    With AMX, oneDNN multiplies bfloat16 on its tiles: a verify pass of a few tokens costs about what
-    a one-token decode step does. With AVX-512 BF16 alone, oneDNN's bfloat16 is slower than float32,
-    but gemv's dot products (csrc/dot_bf16.cpp) stream half the bytes: on 2 AVX-512 EPYC cores a
-    SmolLM2 decode step took 15.0 ms against float32's 26.0, a 6-token verify pass 18.7 against 31.8
-    (bench verify, 2026-12-05)."""
-    return onednn_bf16() and ("amx_bf16" in cpu_flags() or cpu_kernels.bf16_dot())
+    """Does a bfloat16 model make a TLT run faster than a float32 one here (config `model.dtype:
+    auto`)? With AMX: oneDNN multiplies bfloat16 on its tiles, a verify pass of a few tokens costs
+    about what a one-token decode step does, and the preset's A/B gained more than in float32.
+    Not with AVX-512 BF16 alone, although gemv's dot products (csrc/dot_bf16.cpp) decode there much
+    faster than float32 (2 EPYC cores, SmolLM2: a decode step 15.0 against 26.0 ms, a 6-token verify
+    pass 18.7 against 31.8): in the preset's A/B (2026-12-05, README "End to end") SD no longer sped
+    up the tail (99.5 against 99.4 tokens/s), TLT's step was 0.97x the baseline's, and the learner's
+    log-probs of the rollout's tokens moved by up to 1.0 (1.4e-4 in float32)."""
+    return onednn_bf16() and "amx_bf16" in cpu_flags()
 
 
 # --- tuning ---------------------------------------------------------------------------------------
