@@ -6,9 +6,9 @@
 // VDPBF16PS multiplies pairs of bfloat16 values exactly and adds both products to a float32 sum,
 // 32 products per instruction, so several rows (a verify pass) also cost little more than one.
 //
-// The weight is packed once into blocks of NB consecutive outputs, each [ceil(in / 2), NB, 2]: the
+// The weight is packed once into blocks of DNB consecutive outputs, each [ceil(in / 2), DNB, 2]: the
 // pair (input i, input i + 1) of every output of the block side by side, as VDPBF16PS reads them.
-// Up to RB input rows share each loaded weight vector; each row's pair of inputs is broadcast.
+// Up to DRB input rows share each loaded weight vector; each row's pair of inputs is broadcast.
 //
 // Row invariance by construction, as in gemv.cpp: every output is one chain of VDPBF16PS along the
 // input pairs, in order, from zero, then its bias and one rounding to bfloat16 (to nearest even, as
