@@ -95,6 +95,7 @@ def linear(x2: Tensor, packed: Tensor, out: int, bias: Tensor | None = None) -> 
     return y if bias is None else y.add_(bias)
 
 
+@functools.cache  # asked on every bfloat16 product (linear.usable)
 def bf16_dot() -> bool:
     """Built with csrc/dot_bf16.cpp's few-row bfloat16 product (the CPU has AVX-512 BF16)."""
     return available() and _extension().has_bf16_dot()
