@@ -103,6 +103,31 @@ def test_an_update_raises_the_logprob_of_rewarded_responses():
     assert metrics["learner/kl"] == 0.0
 
 
+def test_a_bfloat16_learner_computes_in_bfloat16_and_keeps_float32_weights_and_moments():
+    batch = with_rollout_logprobs(make_batch(rewards=(1.0, 0.0, 0.0, 1.0, 1.0, 1.0)), tiny_policy())
+    updates, metrics = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        policy = tiny_policy()
+        before = copy.deepcopy(policy.state_dict())
+        learner = GRPOLearner(policy, GRPOSection(lr=1e-3, compute_dtype=dtype), pad_id=0)
+        metrics[dtype] = learner.step(batch)
+        assert all(p.dtype == torch.float32 for p in policy.parameters())
+        assert all(v.dtype == torch.float32 for st in learner.optimizer.state.values() for v in st.values()
+                   if v.is_floating_point())
+        updates[dtype] = torch.cat([(policy.state_dict()[k] - before[k]).flatten() for k in before])
+    f32, bf16 = updates["float32"], updates["bfloat16"]
+    assert f32.abs().max() > 1e-4  # the update is a real one
+    # the same update up to bfloat16's rounding of the products: the rollout log-probs were float32's,
+    # so only the bfloat16 learner sees a mismatch
+    assert torch.nn.functional.cosine_similarity(f32, bf16, dim=0) > 0.98 and not torch.equal(f32, bf16)
+    assert metrics["float32"]["rollout/logprob_mismatch_max"] < 1e-5 < metrics["bfloat16"]["rollout/logprob_mismatch_max"]
+
+
+def test_an_unresolved_compute_dtype_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match="resolve_dtype"):
+        GRPOLearner(tiny_policy(), GRPOSection(compute_dtype="auto"), pad_id=0)
+
+
 @pytest.mark.parametrize("rows,tokens", [(1, 4096), (2, 4096), (8, 4096), (8, 16)])
 def test_micro_batching_does_not_change_the_update(rows, tokens):
     ref = tiny_policy()

@@ -460,10 +460,11 @@ def test_an_auto_dtype_is_resolved_once_for_the_whole_run(tmp_path):
     data["run"]["device"] = "cpu"
     cfg = load_config(data)
     trainer = Trainer(cfg, tmp_path, Tracking([]))
-    assert trainer.cfg.model.dtype == ("bfloat16" if bf16_pays() else "float32")
-    assert resolve_dtype(cfg, "cuda").model.dtype == "bfloat16"
-    data["model"]["dtype"] = "float32"
-    assert resolve_dtype(load_config(data), "cuda").model.dtype == "float32"  # an explicit dtype stays
+    assert trainer.cfg.model.dtype == trainer.cfg.grpo.compute_dtype == ("bfloat16" if bf16_pays() else "float32")
+    assert resolve_dtype(cfg, "cuda").model.dtype == resolve_dtype(cfg, "cuda").grpo.compute_dtype == "bfloat16"
+    data["model"]["dtype"] = data["grpo"]["compute_dtype"] = "float32"
+    explicit = resolve_dtype(load_config(data), "cuda")  # an explicit dtype stays
+    assert explicit.model.dtype == explicit.grpo.compute_dtype == "float32"
 
 
 def test_a_static_drafter_run_speculates_but_never_trains_its_drafter(ray_local, tmp_path):

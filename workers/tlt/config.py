@@ -225,6 +225,12 @@ class GRPOSection(_Section):
         description="colocated: learner rank i shares rollout worker i's device (half of its slot each; "
                     "the phases take turns); separate: the learner ranks get devices of their own.")
     sync_bucket_mb: int = Field(64, ge=1, le=4096, description="Size of a weight-sync bucket (MiB).")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "float32",
+        description="The dtype of the learner's matrix products (torch.autocast); its weights, gradients and "
+        "AdamW moments stay float32. bfloat16 is the usual mixed precision on GPUs and halves a forward and "
+        "backward on CPUs with AMX (README). auto: bfloat16 where model.dtype's auto takes bfloat16, float32 "
+        "elsewhere; resolved once when the run starts.")
     micro_batch: int = Field(8, ge=1, description="Most sequences per learner forward.")
     micro_batch_tokens: int = Field(
         4096, ge=16, le=10_000_000,
@@ -296,7 +302,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # and the e2e bench's acceptance rose from 2.26 to 2.46 tokens per pass
         "drafter": {"warmup_prompts": 2048, "warmup_steps": 3000, "warmup_max_new_tokens": 384, "train_vocab": 8192,
                     "lr": 5e-5, "batch_tokens": 512, "spot_update_steps": 1, "spot_max_epochs": 1.0},
-        "grpo": {"lr": 1e-5, "micro_batch": 8, "micro_batch_tokens": 4096},
+        "grpo": {"lr": 1e-5, "micro_batch": 8, "micro_batch_tokens": 4096, "compute_dtype": "auto"},
     },
     "smollm2-cpu": {
         "run": {"steps": 4},

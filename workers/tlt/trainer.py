@@ -68,14 +68,17 @@ def resolve_device(cfg: TLTConfig) -> str:
 
 
 def resolve_dtype(cfg: TLTConfig, device: str) -> TLTConfig:
-    """The config with `model.dtype: auto` made concrete for this device, so that the policy, the
-    workers, the learner's weight sync and the drafter warm-up's cache key all see one dtype."""
-    if cfg.model.dtype != "auto":
+    """The config with `model.dtype: auto` and `grpo.compute_dtype: auto` made concrete for this
+    device, so that the policy, the workers, the learner's weight sync and the drafter warm-up's
+    cache key all see one dtype, and every learner rank computes in one."""
+    if "auto" not in (cfg.model.dtype, cfg.grpo.compute_dtype):
         return cfg
     from .models.linear import bf16_pays
 
     dtype = "bfloat16" if device == "cuda" or bf16_pays() else "float32"
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
+    model = cfg.model.model_copy(update={"dtype": dtype}) if cfg.model.dtype == "auto" else cfg.model
+    grpo = cfg.grpo.model_copy(update={"compute_dtype": dtype}) if cfg.grpo.compute_dtype == "auto" else cfg.grpo
+    return cfg.model_copy(update={"model": model, "grpo": grpo})
 
 
 def make_run_task(cfg: TLTConfig, policy_folder: Path):

@@ -34,6 +34,7 @@ running every row.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -99,13 +100,15 @@ def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: 
 
 
 def response_logprobs(model: Transformer, tokens: Tensor, mask: Tensor, params: SamplingParams,
-                      return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                      return_hidden: bool = False, autocast: torch.dtype | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of the response tokens under the processed distribution: [N] float32, N = mask.sum(),
     in row-major order of `mask` (pad_sequences). The LM head runs only where a response token is
     scored. return_hidden: also the forward's last hidden states [B, T, H] (after the final norm:
-    the drafter's training input), so harvesting them costs no extra pass.
+    the drafter's training input), so harvesting them costs no extra pass. autocast: the dtype of
+    the forward's matrix products (None: the model's own); the softmax runs in float32 either way.
     """
-    logits, hidden = model(tokens, score_mask=mask)  # [N, V], [B, T, H]
+    with torch.autocast(tokens.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        logits, hidden = model(tokens, score_mask=mask)  # [N, V], [B, T, H]
     lp = token_logprobs(logits, tokens[:, 1:][mask], params)
     return (lp, hidden) if return_hidden else lp
 
@@ -191,6 +194,9 @@ class _MismatchAudit:
         return mismatch_histogram(torch.cat(self.deltas) if self.deltas else torch.empty(0))
 
 
+COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # grpo.compute_dtype -> response_logprobs' autocast
+
+
 class GRPOLearner:
     """Policy optimizer + GRPO loss, in one process or as one rank of a data-parallel group.
 
@@ -212,6 +218,10 @@ class GRPOLearner:
         self.rank, self.world = rank, world
         self.last_hidden: list[Tensor | None] | None = None  # see step(harvest_hidden=True)
         self.last_mismatch_hist: dict[str, list] = {}  # audit.mismatch_histogram of the last step
+        if cfg.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"grpo.compute_dtype {cfg.compute_dtype!r}: resolve it for the device first "
+                             "(trainer.resolve_dtype)")
+        self.autocast = COMPUTE_DTYPES[cfg.compute_dtype]
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.ref: Transformer | None = None
@@ -247,10 +257,11 @@ class GRPOLearner:
     def _scored(self, model: Transformer, batch: RolloutBatch, rows: list[int]) -> list[Tensor]:
         """Per row, the log-probs `model` gives its response tokens (no gradient)."""
         if not rows:  # this rank's share ran out: a dummy forward for the group's collectives
-            response_logprobs(model, *self._dummy(), self.sampling)
+            response_logprobs(model, *self._dummy(), self.sampling, autocast=self.autocast)
             return []
         tokens, mask = self._padded(batch, rows)
-        return list(response_logprobs(model, tokens, mask, self.sampling).cpu().split(mask.sum(1).tolist()))
+        lp = response_logprobs(model, tokens, mask, self.sampling, autocast=self.autocast)
+        return list(lp.cpu().split(mask.sum(1).tolist()))
 
     def step(self, batch: RolloutBatch, harvest_hidden: bool = False) -> dict[str, float]:
         """One GRPO update on the step's samples; returns `learner/*` and `rollout/logprob_mismatch*`.
@@ -303,12 +314,13 @@ class GRPOLearner:
                     self.policy.set_requires_gradient_sync(last)
                     self.policy.set_reshard_after_backward(last)
                 if not c:  # nothing of this rank's in the chunk: a zero-loss dummy for the collectives
-                    lp = response_logprobs(self.policy, *self._dummy(), self.sampling)
+                    lp = response_logprobs(self.policy, *self._dummy(), self.sampling, autocast=self.autocast)
                     (lp.sum() * 0.0).backward()
                     continue
                 tokens, mask = self._padded(batch, c)
                 counts = mask.sum(1).tolist()
-                lp, hidden = response_logprobs(self.policy, tokens, mask, self.sampling, return_hidden=True)  # [N]
+                lp, hidden = response_logprobs(self.policy, tokens, mask, self.sampling, return_hidden=True,
+                                               autocast=self.autocast)  # [N]
                 if mb == 0:  # the policy is still the one that sampled: ratio exactly 1
                     old_lp = lp.detach()
                     audit.add(c, old_lp)

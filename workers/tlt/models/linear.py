@@ -130,6 +130,8 @@ class Linear(nn.Linear):
         """x @ W^T + b through `kernel` for few-row CPU inference (_cpu_inference), else through bulk_kernel
         (autograd, or more than MAX_FEW_ROWS rows); F.linear wherever neither applies."""
         w = self.weight
+        if torch.is_autocast_enabled(x.device.type):  # the caller asked for PyTorch's mixed precision (a
+            return F.linear(x, w, self.bias)  # bfloat16 learner): autocast casts inside F.linear, not ours
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if 0 < rows <= MAX_FEW_ROWS and cuda_fixed_shape(x, w):
             return padded_rows(lambda x2: F.linear(x2, w, self.bias), x)
