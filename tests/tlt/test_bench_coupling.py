@@ -4,7 +4,7 @@ SD uses) and the bounds it is compared with."""
 import pytest
 import torch
 
-from workers.tlt.bench.coupling import agreements, inverse_cdf_agreement
+from workers.tlt.bench.coupling import agreements, inverse_cdf_agreement, runner_up, second_candidates
 from workers.tlt.rollout.sampling import sample, sample_keys, uniforms
 
 P = torch.tensor([[0.3, 0.6, 0.1]], dtype=torch.float64)
@@ -26,6 +26,15 @@ def test_the_figures_order_as_couplings_must():
     assert got["maximal"] == pytest.approx(0.8) and got["keyed_argmax_first"] == pytest.approx(0.8)
     assert got["greedy_draft"] == pytest.approx(0.6) and got["p_max"] == pytest.approx(0.6)
     assert got["keyed_inverse_cdf"] <= got["gumbel"] + 0.03 and got["gumbel"] <= got["maximal"] + 0.03
+
+
+def test_the_runner_up_catches_the_draws_a_shifted_interval_moves_and_the_likeliest_token_does_not():
+    figures, calib = second_candidates(P, Q, 4000, torch.Generator().manual_seed(0))
+    # u in [.1, .3): q draws 1 ([.1, .7)), p draws 0; the runner-up across q's near lower edge is 0, while
+    # q's likeliest other token is 2. Everywhere else one of the pair is p's draw.
+    assert float(figures["keyed_or_runner_up"][0]) == pytest.approx(1.0)
+    assert float(figures["keyed_or_likeliest"][0]) == pytest.approx(0.8, abs=0.02)
+    assert calib.shape == (4000, 4) and float(calib[:, 1].mean()) == pytest.approx(0.6, abs=0.02)
 
 
 def test_the_spot_curve_measures_a_trained_copy_and_leaves_the_warmed_drafter_alone():
@@ -102,3 +111,17 @@ def test_position_means_bucket_each_answers_positions_from_its_start():
     m2 = PositionMeans([0, 128, 384])
     m2.add(torch.ones(10))
     assert m2.means() == {"0-128": (1.0, 10)}  # empty buckets are left out
+
+
+def test_a_keyed_draws_runner_up_is_the_token_with_mass_across_the_nearer_edge_of_its_interval():
+    probs = torch.tensor([0.4, 0.0, 1.0, 0.0, 0.6])  # unnormalised: intervals [0, .2) [.2, .7) [.7, 1) of the mass
+    u = torch.tensor([0.25, 0.65, 0.1, 0.95, 0.3])
+    tok, alt, gap = runner_up(probs.expand(5, 5), u)
+    assert torch.equal(tok, sample(probs.expand(5, 5), u))  # the keyed draw itself, as plain sampling draws it
+    assert tok.tolist() == [2, 2, 0, 4, 2]
+    # below the draw, above it skipping the zero-mass token 3, above where nothing is below, below where
+    # nothing is above
+    assert alt.tolist() == [0, 4, 2, 2, 0]
+    assert gap.tolist() == pytest.approx([0.05, 0.05, 0.1, 0.25, 0.1])
+    tok, alt, gap = runner_up(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([0.3]))
+    assert tok.item() == alt.item() == 1 and gap.item() == 1.0  # no other token has mass: none to offer

@@ -20,8 +20,14 @@ recipe, cached; its reduced draft vocabulary) are compared, at each temperature,
     maximal            sum min(p, q): standard speculative sampling's rejection rule (the most any
                        coupling gives; lossless in distribution only, not token for token)
     greedy_draft       p(argmax q): a drafter that proposes its argmax, accepted by the keyed rule
+    keyed_or_runner_up the target's draw is the drafter's keyed draw or its runner-up, the neighbour
+                       across the nearer edge of its CDF interval (a tree's second child under sampling)
+    keyed_or_likeliest the same with the drafter's likeliest other token as the second candidate
 
-and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Carlo for gumbel.
+and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Carlo (`--gumbel-draws`
+uniforms or noises per position) for gumbel and the pairs. `runner_up_by_gap` splits the draws at
+the preset's temperature by how far u sits from the keyed draw's nearer interval edge, as a fraction
+of the mass: how often the target drew the keyed draw, the runner-up and the likeliest other token.
 `by_position` splits the keyed agreement at the preset's temperature by response position; with
 `--held-out-tokens` (the rollout's 1024, say) the held-out answers run past the warm-up's cap, where
 the long tail spends most of its decoding.
@@ -110,20 +116,78 @@ def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) ->
             "greedy_draft": p.gather(1, q.argmax(1, keepdim=True))[:, 0], "p_max": p.max(1).values}
 
 
+def runner_up(probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The keyed draw of probs [..., V] at u [...] and the draw's runner-up: the token with mass
+    across the nearer edge of the draw's CDF interval. Returns (token, runner_up, gap), gap the
+    distance from u to that edge as a fraction of the mass.
+
+    Were the drafter's CDF the target's shifted by a little, the target's keyed draw would land on
+    the drafter's own draw or, where u sits near an interval edge, on the neighbour across it: a
+    tree's second candidate under keyed sampling. Measured, it is not (module doc).
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[..., -1:]
+    x = u.double()[..., None] * total
+    tok = torch.searchsorted(cdf, x, right=True).clamp_(max=probs.shape[-1] - 1)
+    hi = cdf.gather(-1, tok)
+    lo = torch.where(tok > 0, cdf.gather(-1, (tok - 1).clamp(min=0)), torch.zeros_like(hi))
+    below = torch.searchsorted(cdf, lo, right=False)  # the last token with mass before the draw
+    above = torch.searchsorted(cdf, hi, right=True).clamp_(max=probs.shape[-1] - 1)  # the first one after it
+    has_below, has_above = lo > 0, hi < total
+    down = has_below & ((x - lo < hi - x) | ~has_above)
+    alt = torch.where(down, below, torch.where(has_above, above, tok))
+    gap = torch.where(down, x - lo, torch.where(has_above, hi - x, total)) / total
+    return tok[..., 0], alt[..., 0], gap[..., 0].float()
+
+
+GAP_EDGES = (0.0, 0.01, 0.03, 0.1, 0.3)  # runner_up_by_gap's buckets of the draw's distance to its interval's edge
+
+
+def second_candidates(p: Tensor, q: Tensor, draws: int, gen: torch.Generator) -> tuple[dict[str, Tensor], Tensor]:
+    """How often the target's keyed draw is one of two drafted candidates, per row (Monte Carlo over
+    `draws` uniforms), for the second candidate a tree drafts under keyed sampling:
+
+        keyed_or_runner_up  the drafter's keyed draw or its runner-up (sampling.runner_up)
+        keyed_or_likeliest  the keyed draw or the drafter's likeliest other token (its log-prob
+                            ranks the other children)
+
+    and, per draw, [gap bucket, the target drew: the keyed draw, the runner-up, the likeliest other
+    (when not the runner-up)] [draws * N, 4]
+    (`runner_up_by_gap`: what a tree's scores should say about each candidate).
+    """
+    from ..rollout.sampling import sample
+
+    top2 = q.topk(2, 1).indices
+    both = {"keyed_or_runner_up": torch.zeros(p.shape[0], dtype=torch.float64),
+            "keyed_or_likeliest": torch.zeros(p.shape[0], dtype=torch.float64)}
+    calib = []
+    for _ in range(draws):
+        u = torch.rand(p.shape[0], generator=gen, dtype=torch.float64)
+        y = sample(p, u)
+        tok, alt, gap = runner_up(q, u)
+        likeliest = torch.where(top2[:, 0] == tok, top2[:, 1], top2[:, 0])
+        both["keyed_or_runner_up"] += ((y == tok) | (y == alt)).double() / draws
+        both["keyed_or_likeliest"] += ((y == tok) | (y == likeliest)).double() / draws
+        bucket = torch.bucketize(gap.double(), torch.tensor(GAP_EDGES, dtype=torch.float64), right=True) - 1
+        calib.append(torch.stack([bucket.double(), (y == tok).double(), ((y == alt) & (alt != tok)).double(),
+                                  ((y == likeliest) & (likeliest != alt)).double()], 1))
+    return both, torch.cat(calib)
+
+
 def _logits(policy, drafter, answers, ids: Tensor | None, step: int = 1):
     """Per answer: the target's logits and the drafter's (over its draft vocabulary `ids`) at draft
     step `step` (steps > 1 read the drafter's own predicted states) at the positions that predict
     response tokens, in response order (row k predicts response token k + 1, whatever the step)."""
     from ..learn.drafter_train import unrolled_predictions
 
-    head = policy.lm_head.weight.detach()
+    head = policy.lm_head.weight.detach().float()
     drafter.eval()
     with torch.no_grad():
         for toks, hid, plen in answers:
-            h = hid.float()[None]
-            pred = unrolled_predictions(drafter, h, toks[None], step)[step - 1][0]  # [L-1, H] ~ h_{i+1}
+            h = hid.to(policy.dtype)[None]
+            pred = unrolled_predictions(drafter, h, toks[None], step)[step - 1][0].float()  # [L-1, H] ~ h_{i+1}
             rows = slice(max(plen - 1, step - 1, 0), pred.shape[0])
-            yield h[0, 1:][rows] @ head.T, pred[rows] @ (head if ids is None else head[ids]).T
+            yield h[0, 1:][rows].float() @ head.T, pred[rows] @ (head if ids is None else head[ids]).T
 
 
 def _distributions(logits_p: Tensor, logits_q: Tensor, ids: Tensor | None, temperature: float) -> tuple[Tensor, Tensor]:
@@ -170,6 +234,20 @@ def spot_curve(policy, drafter, cfg, batches, held_out, ids: Tensor | None, lr: 
         trainer.train(buf, max(1, step_budget(buf.trainable_tokens, dc.batch_tokens, dc.spot_max_epochs or 1)))
         curve.append(round(keyed_agreement(policy, trainer.drafter, held_out, ids, cfg.rollout.temperature), 4))
     return curve
+
+
+def gap_table(calib: Tensor) -> dict[str, dict[str, float]]:
+    """second_candidates' per-draw rows -> per gap bucket: how often the target drew the keyed draw,
+    the runner-up and the likeliest other token, and how many draws fell there."""
+    lo, hi = GAP_EDGES, [*GAP_EDGES[1:], 1.0]
+    out = {}
+    for b, (a, z) in enumerate(zip(lo, hi)):
+        rows = calib[calib[:, 0] == b]
+        if len(rows):
+            out[f"{a:g}-{z:g}"] = {"keyed": round(float(rows[:, 1].mean()), 4),
+                                   "runner_up": round(float(rows[:, 2].mean()), 4),
+                                   "likeliest": round(float(rows[:, 3].mean()), 4), "draws": len(rows)}
+    return out
 
 
 POSITION_EDGES = (0, 128, 384, 768)  # by_position's buckets (and the warm-up's cap), the same for every recipe
@@ -230,21 +308,30 @@ def recipe_scores(policy, answers, recipes: dict[str, Any], holdout: int, ids_si
 FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "drafter.warmup_steps"}
 
 
+def _preset_policy(args: argparse.Namespace):
+    """The preset's config, policy folder, policy (in the dtype a CPU run of the preset decodes in, so
+    the warm-up's answers and drafter are the product's, from its cache) and task."""
+    from ..config import preset
+    from ..models.policies import prepare_policy_folder
+    from ..models.transformer import Transformer
+    from ..trainer import make_run_task, resolve_dtype
+    from .e2e import parse_overrides
+
+    cfg = resolve_dtype(preset(args.preset, parse_overrides(args.set)), "cpu")
+    folder = prepare_policy_folder(cfg)
+    policy = Transformer.from_pretrained(folder, dtype=getattr(torch, cfg.model.dtype)).eval()
+    return cfg, folder, policy, make_run_task(cfg, folder)
+
+
 def cmd_recipes(args: argparse.Namespace) -> int:
     from ..config import preset
     from ..learn.drafter_warmup import stop_ids, warmup_answers, weights_digest
     from ..models.linear import cpu_name
-    from ..models.policies import prepare_policy_folder
-    from ..models.transformer import Transformer
     from ..rollout.sampling import sampling_params
-    from ..trainer import make_run_task
     from .e2e import parse_overrides
     from .progress import PhaseProgress
 
-    cfg = preset(args.preset, parse_overrides(args.set))
-    folder = prepare_policy_folder(cfg)
-    policy = Transformer.from_pretrained(folder).eval()
-    task = make_run_task(cfg, folder)
+    cfg, folder, policy, task = _preset_policy(args)
     answers = warmup_answers(policy, task, cfg.drafter, sampling=sampling_params(cfg.rollout),
                              policy_key=weights_digest(folder), max_new_tokens=cfg.rollout.max_new_tokens,
                              seed=cfg.run.seed, on_progress=PhaseProgress("[bench coupling] warm-up answers").warmup)
@@ -266,23 +353,15 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_coupling(args: argparse.Namespace) -> int:
-    from ..config import preset
     from ..learn.drafter_warmup import generate_answers, stop_ids, warmup_drafter, warmup_optimizer, weights_digest
     from ..models.linear import cpu_name
-    from ..models.policies import prepare_policy_folder
-    from ..models.transformer import Transformer
     from ..rollout.sampling import sampling_params
     from ..rollout.speculative import draft_vocab_ids
-    from ..trainer import make_run_task
-    from .e2e import parse_overrides
     from .progress import PhaseProgress
 
     if args.recipes is not None:
         return cmd_recipes(args)
-    cfg = preset(args.preset, parse_overrides(args.set))
-    folder = prepare_policy_folder(cfg)
-    policy = Transformer.from_pretrained(folder).eval()
-    task = make_run_task(cfg, folder)
+    cfg, folder, policy, task = _preset_policy(args)
     sampling = sampling_params(cfg.rollout)
     print("[bench coupling] the drafter (the product's warm-up; cached after its first run)", file=sys.stderr, flush=True)
     progress = PhaseProgress("[bench coupling] drafter warm-up")
@@ -300,14 +379,18 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     n = 0
     gen = torch.Generator().manual_seed(0)
     by_pos = PositionMeans(sorted({*POSITION_EDGES, cap}))
+    gaps: list[Tensor] = []
     for logits_p, logits_q in _logits(policy, drafter, answers, ids):
         n += logits_p.shape[0]
         for t in temps:
             p, q = _distributions(logits_p, logits_q, ids, t)
-            for k, v in agreements(p, q, args.gumbel_draws, gen).items():
+            figures, calib = second_candidates(p, q, args.gumbel_draws, gen)
+            for k, v in {**agreements(p, q, args.gumbel_draws, gen), **figures}.items():
                 sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
                 if t == cfg.rollout.temperature and k == "keyed_inverse_cdf":
                     by_pos.add(v)
+            if t == cfg.rollout.temperature:
+                gaps.append(calib)
     out: dict[str, Any] = {"bench": "coupling", "preset": args.preset, "overrides": args.set, "positions": n,
                            "cpu": cpu_name(), "draft_vocab": cfg.spec.draft_vocab,
                            # the drafter's fit to its own training answers, beside the held-out figures
@@ -316,6 +399,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
     out["by_position"] = {k: {"keyed_inverse_cdf": mean, "positions": count} for k, (mean, count) in by_pos.means().items()}
+    out["runner_up_by_gap"] = gap_table(torch.cat(gaps))
     if args.spot_lrs:
         n_rows = cfg.task.prompts_per_step
         batches = []
