@@ -59,6 +59,7 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("learner", help="learner group: 1 vs 2 FSDP2 ranks, object-store vs bucketed sync")
     add_arguments(p)
+    add_set_argument(p)
     p.set_defaults(func=cmd_learner)
 
 

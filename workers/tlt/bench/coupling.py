@@ -3,6 +3,7 @@ the headroom a better coupling would buy SD under sampling. The LAST stdout line
 
     python -m workers.tlt.bench coupling [--preset smollm2-mathmix-cpu] [--prompts 32] [--temperatures 0.7 1.0]
                                          [--held-out-tokens 1024]                 # answers past the warm-up's cap
+                                         [--draft-temperatures 0.5 0.6]           # a sharper drafter's proposals
                                          [--set drafter.warmup_prompts=2048 ...]   # another recipe
                                          [--spot-lrs 3e-4 5e-5 [--spot-steps 6]]   # spot training's effect
     python -m workers.tlt.bench coupling --recipes drafter.token_loss_weight=1.0 drafter.unroll=2 \
@@ -28,6 +29,8 @@ and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Ca
 uniforms or noises per position) for gumbel and the pairs. `runner_up_by_gap` splits the draws at
 the preset's temperature by how far u sits from the keyed draw's nearer interval edge, as a fraction
 of the mass: how often the target drew the keyed draw, the runner-up and the likeliest other token.
+`--draft-temperatures` scores the drafter's keyed draws from its q at other temperatures (the target
+at the preset's) at draft steps 1 and 2: any proposal is verified against the target's own draw.
 `by_position` splits the keyed agreement at the preset's temperature by response position; with
 `--held-out-tokens` (the rollout's 1024, say) the held-out answers run past the warm-up's cap, where
 the long tail spends most of its decoding.
@@ -76,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "none given: the preset's alone)")
     p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe")
     p.add_argument("--holdout", type=int, default=96, help="warm-up answers kept out of training to score recipes")
+    p.add_argument("--draft-temperatures", type=float, nargs="*", default=[],
+                   help="also: held-out keyed agreement at draft steps 1 and 2 with the drafter's q at these "
+                        "temperatures, the target's at the preset's")
     p.add_argument("--held-out-tokens", type=int, default=None,
                    help="length cap of the held-out answers (default: the warm-up's cap; the rollout's, say, to "
                         "score the long tail's late positions, which `by_position` splits out)")
@@ -190,22 +196,24 @@ def _logits(policy, drafter, answers, ids: Tensor | None, step: int = 1):
             yield h[0, 1:][rows].float() @ head.T, pred[rows] @ (head if ids is None else head[ids]).T
 
 
-def _distributions(logits_p: Tensor, logits_q: Tensor, ids: Tensor | None, temperature: float) -> tuple[Tensor, Tensor]:
-    """p and q over the whole vocabulary (float64), q zero outside the draft vocabulary."""
+def _distributions(logits_p: Tensor, logits_q: Tensor, ids: Tensor | None, temperature: float,
+                   draft_temperature: float | None = None) -> tuple[Tensor, Tensor]:
+    """p and q over the whole vocabulary (float64), q zero outside the draft vocabulary; q at
+    draft_temperature where given (the drafter's proposal need not use the target's)."""
     from ..rollout.sampling import SamplingParams, process
 
-    params = SamplingParams(temperature=temperature)
-    p = process(logits_p, params).double()
-    q_sub = process(logits_q, params).double()
+    p = process(logits_p, SamplingParams(temperature=temperature)).double()
+    q_sub = process(logits_q, SamplingParams(temperature=draft_temperature or temperature)).double()
     return p, (q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub))
 
 
-def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: float, step: int = 1) -> float:
+def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: float, step: int = 1,
+                    draft_temperature: float | None = None) -> float:
     """The product's rule only (cheap): mean keyed inverse-CDF agreement over the answers' positions
     at draft step `step`."""
     total, n = 0.0, 0
     for logits_p, logits_q in _logits(policy, drafter, answers, ids, step):
-        p, q = _distributions(logits_p, logits_q, ids, temperature)
+        p, q = _distributions(logits_p, logits_q, ids, temperature, draft_temperature)
         order = torch.arange(p.shape[1]).expand_as(p)
         total += float(inverse_cdf_agreement(p, q, order, order).sum())
         n += p.shape[0]
@@ -400,6 +408,10 @@ def cmd_coupling(args: argparse.Namespace) -> int:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
     out["by_position"] = {k: {"keyed_inverse_cdf": mean, "positions": count} for k, (mean, count) in by_pos.means().items()}
     out["runner_up_by_gap"] = gap_table(torch.cat(gaps))
+    if args.draft_temperatures:
+        out["by_draft_temperature"] = {
+            f"{t:g}": {f"step{k}": round(keyed_agreement(policy, drafter, answers, ids, cfg.rollout.temperature, k, t), 4)
+                       for k in (1, 2)} for t in args.draft_temperatures}
     if args.spot_lrs:
         n_rows = cfg.task.prompts_per_step
         batches = []

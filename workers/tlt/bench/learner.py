@@ -3,6 +3,7 @@ vs the bucketed one, side by side in one invocation; the LAST stdout line is one
 
     python -m workers.tlt.bench learner [--preset smollm2-mathmix-cpu] [--rows N] [--prompt-len 32]
                                         [--response-len 96] [--steps 2]
+                                        [--set grpo.compute_dtype=float32]   # the preset's learner, overridden
 
 The step is the preset's: its rows (prompts_per_step x samples_per_prompt) and its micro-batching.
 
@@ -101,10 +102,11 @@ def cmd_learner(args: argparse.Namespace) -> int:
     from ..models.linear import cpu_name
     from ..models.transformer import Transformer
     from ..models.policies import prepare_policy_folder
-    from ..trainer import ensure_ray
+    from ..trainer import ensure_ray, resolve_dtype
+    from .e2e import parse_overrides
 
     logging.basicConfig(level=logging.WARNING)
-    cfg = preset(args.preset)
+    cfg = resolve_dtype(preset(args.preset, parse_overrides(args.set)), "cpu")  # the learner's dtype, as a run's
     rows = args.rows or cfg.task.prompts_per_step * cfg.rollout.samples_per_prompt
     folder = prepare_policy_folder(cfg)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
@@ -141,7 +143,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
         if started:
             ray.shutdown()
     out = {
-        "bench": "learner", "preset": args.preset, "rows": rows, "cores": cores, "cpu": cpu_name(),
+        "bench": "learner", "preset": args.preset, "overrides": args.set, "rows": rows, "cores": cores, "cpu": cpu_name(),
+        "compute_dtype": cfg.grpo.compute_dtype,
         "learner_tokens_per_s_1rank": round(tps1, 2), "learner_tokens_per_s_2rank": round(tps2, 2),
         "learner_2rank_vs_1rank": round(tps2 / tps1, 3) if tps1 else 0.0,
         "max_abs_diff_2rank_vs_1rank": diff,
