@@ -35,7 +35,7 @@ import bisect
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -120,6 +120,10 @@ class SpecPolicy:
     # CPU float32: the drafter's few-row products read bfloat16 copies of its weights (half the bytes
     # each draft step streams; linear.draft_in_bfloat16). Lossless either way: only proposals change.
     draft_bf16: bool = spec_defaults.DRAFT_BF16
+    # sampling: the drafter's keyed draw F_q^{-1}(u) from q at this temperature (0: the rollout's own).
+    # Lossless whatever it is (a draft is accepted only where it equals the target's own draw); a
+    # sharper q than the target's agrees with it more often (bench coupling --draft-temperatures)
+    draft_temperature: float = spec_defaults.DRAFT_TEMPERATURE
 
     @classmethod
     def from_config(cls, spec, **overrides: Any) -> "SpecPolicy":
@@ -128,7 +132,8 @@ class SpecPolicy:
                       ngram_arm=spec.ngram_arm, epsilon=spec.epsilon, buckets=tuple(spec.buckets),
                       window=spec.window, draft_vocab=getattr(spec, "draft_vocab", 0),
                       hybrid_depth=getattr(spec, "hybrid_depth", spec_defaults.HYBRID_DEPTH),
-                      draft_bf16=getattr(spec, "draft_bf16", spec_defaults.DRAFT_BF16))
+                      draft_bf16=getattr(spec, "draft_bf16", spec_defaults.DRAFT_BF16),
+                      draft_temperature=getattr(spec, "draft_temperature", spec_defaults.DRAFT_TEMPERATURE))
         return cls(**{**fields, **overrides})
 
     def arms(self, has_drafter: bool) -> list[Arm]:
@@ -467,6 +472,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         raise ValueError("need at least one prompt, each with at least one token")
     policy = spec if spec is not None else SpecPolicy(enabled=False)
     arms = {a.label: a for a in policy.arms(drafter is not None)} if policy.enabled else {}
+    draft_params = params if params.greedy or not policy.draft_temperature else replace(
+        params, temperature=policy.draft_temperature)  # what the drafter's keyed draws sample from
     if isinstance(model, torch.nn.Module) and dev.type == "cpu":
         tune(model)  # this machine's fastest few-row kernels (cached)
     if arms and bandit is None:
@@ -590,7 +597,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         else:  # a draft token at level j sits at position n + j and uses that position's uniform
             u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
             tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                         verify=arm.verify, params=params, u=u, head=head)
+                         verify=arm.verify, params=draft_params, u=u, head=head)
             if grams is not None:  # hybrid: the drafter's chain only for the rows without an n-gram draft
                 tree = chain_tree(roots, [g or t for g, t in zip(grams, tree.tokens[:, 1:].tolist())], arm.depth)
 

@@ -10,4 +10,5 @@ STRATEGIES = ((4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (5, 3, 16))  # (depth,
 NGRAM_ARM = True  # also try the n-gram drafter over the row and its siblings
 HYBRID_DEPTH = 0  # also try "ngram|d{depth}": the n-gram draft where a row has one, else the drafter (0: no such arm)
 DRAFT_VOCAB = 0  # reduced draft vocabulary size (0: the full vocabulary)
+DRAFT_TEMPERATURE = 0.0  # sampling: the temperature of the drafter's keyed draws (0: the rollout's own)
 DRAFT_BF16 = True  # CPU float32: drafting reads bfloat16 copies of the drafter's weights (linear.draft_in_bfloat16)
