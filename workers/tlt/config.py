@@ -236,7 +236,8 @@ class GRPOSection(_Section):
         description="The dtype of the learner's matrix products (torch.autocast); its weights, gradients and "
         "AdamW moments stay float32. bfloat16 is the usual mixed precision on GPUs and halves a forward and "
         "backward on CPUs with AMX (README). auto: bfloat16 where model.dtype's auto takes bfloat16, float32 "
-        "elsewhere; resolved once when the run starts.")
+        "elsewhere; resolved once when the run starts. On GPUs with a bfloat16 rollout the FSDP2 learner "
+        "computes in bfloat16 either way (its mixed-precision policy casts the parameters).")
     micro_batch: int = Field(8, ge=1, description="Most sequences per learner forward.")
     micro_batch_tokens: int = Field(
         4096, ge=16, le=10_000_000,

@@ -55,8 +55,9 @@ def _policy_folder(shape: str, root: Path) -> Path:
 
 def _cfg(dtype: str) -> SimpleNamespace:
     """The fields of config.TLTConfig the rank reads (pydantic is not on a bare node)."""
+    # compute_dtype float32: on CUDA the rank's FSDP2 policy computes in bfloat16 already (a bfloat16 rollout)
     grpo = SimpleNamespace(lr=1e-6, clip_eps=0.2, kl_coef=0.0, grad_clip=1.0, mini_batches=1, micro_batch=4,
-                           micro_batch_tokens=8192, sync_bucket_mb=64)
+                           micro_batch_tokens=8192, sync_bucket_mb=64, compute_dtype="float32")
     return SimpleNamespace(grpo=grpo, model=SimpleNamespace(dtype=dtype),
                            rollout=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0))
 
