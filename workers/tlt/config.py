@@ -295,10 +295,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         # ~60% of passes, and n-grams out-accepted the drafter where they matched: the hybrid arm drafts
         # n-grams where a row has one and the drafter's chain where it has none. Depths 5, not 6: with
         # the root that is 6 rows, one tile of the CPU's few-row kernel (SpecPolicy.ngram_depth)
-        # the drafter proposes from q at 0.5, sharper than the target's 0.7: held-out keyed agreement at draft
-        # steps 1 and 2 0.600 / 0.530 against 0.592 / 0.512 (README "A sharper drafter")
         "spec": {"threshold": 4, "strategies": [(4, 1, 4), (5, 1, 5), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096,
-                 "hybrid_depth": 5, "draft_temperature": 0.5},
+                 "hybrid_depth": 5},
         # warm-up: 2048 answers cut at 384 tokens (~150k response tokens, nearly all from the word
         # problems whose long answers are what the tail drafts; at 1500 steps held-out keyed agreement
         # 0.63, 0.60 with 1024 answers), a training vocabulary of the 8192 most frequent tokens (a 49k-word LM
