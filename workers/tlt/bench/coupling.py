@@ -153,7 +153,7 @@ def second_candidates(p: Tensor, q: Tensor, draws: int, gen: torch.Generator) ->
     """How often the target's keyed draw is one of two drafted candidates, per row (Monte Carlo over
     `draws` uniforms), for the second candidate a tree drafts under keyed sampling:
 
-        keyed_or_runner_up  the drafter's keyed draw or its runner-up (sampling.runner_up)
+        keyed_or_runner_up  the drafter's keyed draw or its runner-up (runner_up, above)
         keyed_or_likeliest  the keyed draw or the drafter's likeliest other token (its log-prob
                             ranks the other children)
 
