@@ -115,15 +115,16 @@ def test_sd_emits_the_plain_decoding_tokens_token_for_token(model, drafters, arm
             assert sum(int(f.sum()) for f in res.from_draft) > 0.6 * sum(res.lengths)
 
 
-@pytest.mark.parametrize("arm,kind", [("d4k1v4", "random"), ("d3k2v6", "random"), ("ngram|d4", "random")])
-def test_a_drafter_sampling_at_its_own_temperature_still_emits_the_plain_sampling_tokens(model, drafters, arm, kind):
+@pytest.mark.parametrize("arm", ["d4k1v4", "d3k2v6", "ngram|d4"])
+def test_a_drafter_sampling_at_its_own_temperature_still_emits_the_plain_sampling_tokens(model, drafters, arm):
     prompts = _prompts(5)
     base = generate(model, prompts, SAMPLED, max_new_tokens=24, eos_ids=EOS, seed=4)
     accepted = {}
     for t in (0.0, 0.4):
-        res = generate(model, prompts, SAMPLED, max_new_tokens=24, eos_ids=EOS, drafter=drafters[kind],
+        # a real Drafter: the oracles' noise moves between calls, and would change the drafts by itself
+        res = generate(model, prompts, SAMPLED, max_new_tokens=24, eos_ids=EOS, drafter=drafters["random"],
                        spec=SpecPolicy(arm=arm, draft_temperature=t), seed=4)
-        assert res.tokens == base.tokens, (arm, kind, t)
+        assert res.tokens == base.tokens, (arm, t)
         accepted[t] = [f.tolist() for f in res.from_draft]
     assert accepted[0.0] != accepted[0.4]  # the drafts did change: another temperature, other proposals
 
