@@ -395,15 +395,72 @@ def test_draft_in_bfloat16_switches_only_the_float32_layers_tuned_to_gemv(monkey
     assert linear.draft_in_bfloat16(model) == 0  # idempotent
 
 
-def test_choices_timed_on_a_busy_machine_serve_the_process_but_are_not_cached(kernel_cache, monkeypatch):
+def _rigged_timings(monkeypatch, pick: int) -> None:
+    """Timings that rank candidate `pick` (0: the first, -1: the last, of those this machine offers:
+    row-invariant ones only) first, for the few-row and the bulk kernel alike."""
+    def group(layers, kernels, rows, reps):
+        return {k: 1.0 if k == kernels[pick] else 2.0 for k in kernels}
+
+    def bulk_times(layer, reps):
+        return {k: 1.0 if k == linear.BULK_KERNELS[pick] else 2.0 for k in linear.BULK_KERNELS}
+
+    monkeypatch.setattr(linear, "_time_group", group)
+    monkeypatch.setattr(linear, "_time_bulk", bulk_times)
+
+
+def _kernels(model) -> list[tuple[str, str]]:
+    return [(layer.kernel, layer.bulk_kernel) for layer in model]
+
+
+@pytest.mark.skipif(len(linear._candidates([Linear(256, 512)])) < 2, reason="one row-invariant kernel: nothing to choose")
+def test_the_first_choice_on_a_machine_is_every_later_processs_even_timed_in_a_crowd(kernel_cache, monkeypatch):
+    """Kernels differ in their last bits: a process that kept its own choice would sample other tokens
+    from the same weights. So a crowded machine's choice is cached too, and a later tuner that would
+    have timed other kernels faster takes the cached ones."""
+    waits = []
     monkeypatch.setattr(linear, "machine_busy", lambda: True)
-    model = _model()
-    chosen = tune(model)
-    assert set(chosen.values()) <= set(KERNELS) and model[0].kernel == chosen["512x256x2"]
-    assert not kernel_cache.exists()
+    monkeypatch.setattr(linear, "_wait_for_quiet", lambda timeout_s=None: waits.append(1))
+    _rigged_timings(monkeypatch, 0)
+    first = _model()
+    tune(first)
+    assert waits == [1] and kernel_cache.exists()  # it waited for the crowd, then cached what it timed
     monkeypatch.setattr(linear, "machine_busy", lambda: False)
-    tune(_model())  # a quiet process times them again, and keeps them
-    assert kernel_cache.exists() and "512x256x2" in kernel_cache.read_text()
+    _rigged_timings(monkeypatch, -1)
+    alone = copy.deepcopy(_model())
+    alone_choice = tune(alone, reps=1, rows=(1, 2))  # other rows: another cache key, timed afresh
+    assert _kernels(alone) != _kernels(first)  # what a quiet process would have chosen for itself
+    later = _model()
+    tune(later)
+    assert _kernels(later) == _kernels(first) and waits == [1, 1], alone_choice
+
+
+@pytest.mark.skipif(len(linear._candidates([Linear(256, 512)])) < 2, reason="one row-invariant kernel: nothing to choose")
+def test_tuners_side_by_side_take_turns_and_agree(kernel_cache, monkeypatch):
+    """Rollout workers tune as they start, together: under the lock the second one reads the first's
+    choices instead of timing its own. Each tuner here would rank other kernels first."""
+    import threading
+
+    picks = iter([0, -1])
+    real_tune_groups = linear._tune_groups
+    inside = threading.Lock()
+
+    def tune_groups(groups, reps, rows):  # the lock's holder: only one at a time may be here
+        assert inside.acquire(blocking=False), "two tuners were timing at once"
+        try:
+            _rigged_timings(monkeypatch, next(picks))
+            return real_tune_groups(groups, reps, rows)
+        finally:
+            inside.release()
+
+    monkeypatch.setattr(linear, "_tune_groups", tune_groups)
+    models = [_model(), _model()]
+    threads = [threading.Thread(target=tune, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert next(picks, None) is None  # both tuners ran
+    assert _kernels(models[0]) == _kernels(models[1])
 
 
 def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):

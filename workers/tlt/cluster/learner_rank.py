@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..memory import return_freed_memory
+
 COLLECTIVE_TIMEOUT_S = 300.0  # a rank that waits this long for its peers fails (a dead rank's peers too)
 
 
@@ -98,6 +100,7 @@ class LearnerRankImpl:
             # that other processes held (or, with several ranks, for its peers), not for its own work
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             metrics["learner/cpu_share"] = cpu / max(wall * torch.get_num_threads(), 1e-9)
+            return_freed_memory()  # the step's activations and logits: GBs the rollout's workers need next
         hidden = self.learner.last_hidden
         self.learner.last_hidden = None
         return {"metrics": metrics, "hist": self.learner.last_mismatch_hist,

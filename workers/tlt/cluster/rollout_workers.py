@@ -30,6 +30,7 @@ from typing import Any
 import ray
 import torch
 
+from ..memory import return_freed_memory
 from .placement import sleeps_while_learning
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,8 @@ class RolloutWorkerImpl:
         torch.set_num_threads(self.threads)  # on this thread: the last rollout may have ended on lent cores
         gen_start = time.time()
         res = self._generate(prompts, eos_ids, seed, tlt)
+        if self.device.type == "cpu":
+            return_freed_memory()  # the rollout's KV caches: the learner's step comes next on this machine
         gen_end = time.time()
         self._last = (step, prompts, res)
         return {

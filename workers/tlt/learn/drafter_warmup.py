@@ -30,7 +30,6 @@ Cost (first run; later runs load the cache in a second): printed as it goes and 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -45,6 +44,7 @@ import torch
 from torch import Tensor
 
 from .buffer import DrafterBuffer
+from ..memory import return_freed_memory
 from ..models.drafter import Drafter
 from ..models.linear import tune
 from .drafter_train import drafter_loss
@@ -205,19 +205,6 @@ def fit_drafter(policy: Transformer, answers: Sequence[Answer], cfg: "DrafterSec
     return drafter.eval(), {"steps": steps, "answers": len(answers), "response_tokens": n_resp, "train_top1": train_top1,
                             "train_s": round(time.perf_counter() - t1, 1), "train_vocab": cfg.train_vocab,
                             "optimizer": optimizer}
-
-
-def return_freed_memory() -> None:
-    """Hand the heap pages freed so far back to the OS (glibc's malloc_trim; a no-op elsewhere).
-
-    glibc keeps what a process frees for its own reuse. An uncached warm-up (decoding 128 answers at
-    a time with their KV caches, then training on their states) left a run's driver at 7.2 GB, which
-    it then held through RL: beside the learner (7.9 GB) and two rollout workers (3.4 GB each) a
-    24 GB machine ran out of memory and Ray killed the learner at the fifth step of a first run."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:

@@ -66,6 +66,8 @@ in this package. Set TLT_KERNEL=linear|onednn to force one kernel everywhere (no
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -97,6 +99,7 @@ DRAFT_ROWS = (1, 2, 4, 8)
 BULK_KERNELS = ("linear", "onednn")  # for compute-bound products (Linear.bulk_kernel)
 BULK_ROWS = 1024  # rows of the product the bulk kernels are timed on
 BUSY_SHARE = 0.85  # a probe getting less of its threads' time than this: the machine is crowded (machine_busy)
+QUIET_WAIT_S = 5.0  # how long tuning waits for a crowded machine to quieten before it times anyway (tune)
 _PACK_HINT = 8  # oneDNN picks its packed layout for this many rows; good for 2..64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 CUDA_FIXED_SHAPES = True  # few-row CUDA inference at one padded shape (padded_rows); off: PyTorch's shapes
@@ -547,9 +550,18 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
     row count's time normalised by its best candidate; the lowest total wins unless an
     earlier candidate in KERNELS is within 3% of it (timing noise must not pick a kernel). The
     bulk kernel (`bulk_kernel`) is chosen the same way on one BULK_ROWS-row product per group.
-    Cached on disk unless the machine was crowded while timing (machine_busy); a no-op for models
-    already tuned for these rows, on GPUs, for dtypes not in tuned_dtypes() and under TLT_KERNEL
-    (which leaves bulk products on PyTorch's linear).
+    A no-op for models already tuned for these rows, on GPUs, for dtypes not in tuned_dtypes() and
+    under TLT_KERNEL (which leaves bulk products on PyTorch's linear).
+
+    The first choice made on a machine is every process's (`_tuning_lock`): kernels differ in their
+    last bits, so two processes that chose differently would sample different tokens from the same
+    weights. A run's rollout workers tune side by side as they start; one that timed its kernels on
+    a crowded machine and kept its own choice gave the e2e bench's arms different samples from step
+    4 on (2026-12-06, an AVX-512 EPYC: only the rows of the worker that had tuned alone differed), and
+    a restarted worker would not redraw its step's samples. So tuning waits its turn under a file
+    lock, reads what an earlier process chose, and caches what it timed even on a crowded machine,
+    after waiting up to QUIET_WAIT_S for the crowd to pass (a choice timed in a crowd can be slower:
+    delete kernel_cache_path() on a quiet machine to time again).
     """
     if getattr(model, "_tlt_tuned", None) in (rows, True):  # True: kernels set by hand, kept
         return {}
@@ -571,7 +583,18 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
         w = layer.weight
         if w.device.type == "cpu" and w.dtype in tuned_dtypes() and not w.is_inference():
             groups[tuple(w.shape), w.dtype].append(layer)
+    with _tuning_lock():
+        chosen = _tune_groups(groups, reps, rows)
+    _tuned(model, rows)
+    return chosen
+
+
+def _tune_groups(groups: dict[tuple[tuple[int, int], torch.dtype], list["Linear"]], reps: int,
+                 rows: tuple[int, ...]) -> dict[str, str]:
+    """tune's choices for each group: cached ones, else timed now and cached (under _tuning_lock)."""
     cached, chosen, fresh = _read_cache(), {}, {}
+    if any(_cache_key(shape, len(g), dtype, rows) not in cached for (shape, dtype), g in groups.items()):
+        _wait_for_quiet()
     t0 = time.perf_counter()
     with torch.no_grad():
         for (shape, dtype), group in groups.items():
@@ -604,12 +627,39 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
                  cpu_name(), torch.get_num_threads(), chosen,
                  {f"{o}x{i}": g[0].bulk_kernel for ((o, i), _), g in groups.items()})
         if machine_busy():
-            log.warning("the machine was busy while the kernels were timed: the choice serves this process but is "
-                        "not cached (a quiet process times them again)")
-        else:
-            _write_cache(fresh)
-    _tuned(model, rows)
+            log.warning("the machine was busy while the kernels were timed: cached all the same, so that every "
+                        "process here computes the same bits (delete %s on a quiet machine to time them again)",
+                        kernel_cache_path())
+        _write_cache(fresh)
     return chosen
+
+
+@contextlib.contextmanager
+def _tuning_lock():
+    """One process tunes at a time on this machine (an flock beside the kernel cache): the others
+    wait, then read its choices instead of timing their own (tune). Unlocked where the cache's folder
+    cannot be written: then nothing is cached either."""
+    path = kernel_cache_path().with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = path.open("a")
+    except OSError:
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _wait_for_quiet(timeout_s: float | None = None) -> None:
+    """Before timing kernels: wait up to QUIET_WAIT_S while machine_busy(), e.g. for a learner
+    that publishes its weights while the rollout workers start."""
+    deadline = time.monotonic() + (QUIET_WAIT_S if timeout_s is None else timeout_s)
+    while machine_busy() and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def draft_in_bfloat16(model: nn.Module) -> int:
