@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from workers.tlt.bench.e2e import _Eta, amdahl_bound, e2e, parse_overrides
+from workers.tlt.bench import e2e as e2e_module
+from workers.tlt.bench.e2e import _Eta, amdahl_bound, e2e, parse_overrides, summarize
 
 # the same tiny shape as test_trainer.py (its SFT'd policy is cached and shared)
 TINY = {
@@ -81,3 +82,22 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert r["acceptance_length"] >= 1.0  # 4 rows per worker: SD is on from the first token
     for arm in r["arms"]:
         assert (tmp_path / arm / "metrics.jsonl").exists()
+    # the figures come from the arms' folders: --summarize prints them again, without running anything
+    again = summarize(tmp_path, "tiny-cpu")
+    assert {k: v for k, v in again.items() if k != "loadavg_end"} == \
+        {k: v for k, v in r.items() if k not in ("loadavg_end", "loadavg_start", "bench_s")}
+    with pytest.raises(SystemExit, match="already holds arms"):  # a run there would resume those arms
+        e2e("tiny-cpu", 2, tmp_path, overrides=TINY, static=True)
+
+
+def test_an_arm_that_fails_is_reported_beside_the_figures_of_those_that_ran(tmp_path, monkeypatch):
+    """Nothing lost: the static arm (here with a config its section rejects) fails, and the bench
+    still reports the baseline and TLT arms, naming the failure."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(e2e_module.ARMS, "static", {"run": {"tlt": True}, "drafter": {"spot_training": "sometimes"}})
+    r = e2e("tiny-cpu", 1, tmp_path, overrides=TINY, static=True)
+    assert r["arms"] == ["baseline", "tlt", "static"] and "drafter.spot_training" in r["failed_arms"]["static"]
+    assert r["steps"] == 1 and r["e2e_speedup"] > 0 and "acceptance_length_static" not in r
+    monkeypatch.setitem(e2e_module.ARMS, "tlt", {"run": {"tlt": "sometimes"}})
+    with pytest.raises(RuntimeError, match="no steps of the baseline or the TLT arm"):
+        e2e("tiny-cpu", 1, tmp_path / "again", overrides=TINY, static=False)

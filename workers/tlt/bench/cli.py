@@ -2,6 +2,7 @@
 
     python -m workers.tlt.bench e2e [--preset smollm2-mathmix-cpu|tiny-cpu|smollm2-cpu] [--steps N]
                                     [--static-drafter | --no-static-drafter] [--out DIR]
+    python -m workers.tlt.bench e2e --summarize DIR      # the figures of a bench already run there
                                     [--set drafter.warmup_steps=800 ...]   # preset overrides
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
     python -m workers.tlt.bench learner ...        # learner group: 1 vs 2 ranks, sync paths
@@ -24,12 +25,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .e2e import STATIC_BY_DEFAULT, e2e, parse_overrides
+from .e2e import STATIC_BY_DEFAULT, e2e, parse_overrides, summarize
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlt-bench-e2e-"))
-    result = e2e(args.preset, args.steps, out, overrides=parse_overrides(args.set), static=args.static_drafter)
+    if args.summarize:  # the figures of a bench already run (or cut short), from its folder
+        out = Path(args.summarize)
+        result = summarize(out, args.preset)
+    else:
+        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlt-bench-e2e-"))
+        result = e2e(args.preset, args.steps, out, overrides=parse_overrides(args.set), static=args.static_drafter)
     result["out"] = str(out)
     print(json.dumps(result), flush=True)
     return 0
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="smollm2-mathmix-cpu",
                    choices=["smollm2-mathmix-cpu", "tiny-cpu", "smollm2-cpu"])
     p.add_argument("--steps", type=int, help="RL steps per run (default: the preset's)")
-    p.add_argument("--out", help="folder for both runs' metrics (default: a temp folder)")
+    p.add_argument("--out", help="a new folder for the arms' metrics (default: a temp folder)")
+    p.add_argument("--summarize", metavar="OUT", help="print the figures of the bench whose --out was OUT (one "
+                   "that was cut short too: what its arms logged), without running anything")
     add_set_argument(p, "for every arm ")
     p.add_argument("--static-drafter", action=argparse.BooleanOptionalAction, default=None,
                    help="also run TLT with the drafter frozen after warm-up (default: on for "

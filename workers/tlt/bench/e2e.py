@@ -57,6 +57,7 @@ ARMS = {  # arm -> config overrides on top of the preset
     "tlt": {"run": {"tlt": True}},
     "static": {"run": {"tlt": True}, "drafter": {"spot_training": False}},
 }
+ARM_FILE = "arm.json"  # beside an arm's metrics.jsonl: its setup and wall seconds, and its error if it failed
 
 
 # --- e2e --------------------------------------------------------------------------------------
@@ -93,8 +94,9 @@ class _Eta:
         pass
 
 
-def _train(cfg, out: Path, eta: _Eta) -> tuple[list[dict[str, float]], dict[str, float]]:
-    """Run one config; returns every step's scalars and the setup seconds (policy, drafter_warmup, actors)."""
+def _train(cfg, out: Path, eta: _Eta) -> dict[str, float]:
+    """Run one config (its steps' metrics go to out/metrics.jsonl); returns the setup seconds (policy,
+    drafter_warmup, actors)."""
     from ..metrics import JsonlSink, Tracking
     from ..trainer import Trainer
 
@@ -104,7 +106,7 @@ def _train(cfg, out: Path, eta: _Eta) -> tuple[list[dict[str, float]], dict[str,
         trainer.setup()
         eta.one_off_s += trainer.setup_s.get("drafter_warmup", 0.0)
         trainer.run()
-        return [h.scalars for h in trainer.history], dict(trainer.setup_s)
+        return dict(trainer.setup_s)
     finally:
         trainer.close()
         tracking.close()
@@ -142,9 +144,11 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     import ray
 
     from ..config import load_config, preset
-    from ..models.linear import cpu_flags, cpu_name
-    from ..trainer import ensure_ray, resolve_device, resolve_dtype
+    from ..trainer import ensure_ray
 
+    if stale := sorted(name for name in ARMS if (out / name).exists()):
+        raise SystemExit(f"bench e2e: {out} already holds arms {', '.join(stale)} (a run there would resume "
+                         "them): pass a new --out, or --summarize it")
     base = preset(preset_name, overrides)
     data = base.model_dump(mode="json")
     if steps is not None:
@@ -156,21 +160,59 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     started = ensure_ray(num_cpus=max(data["rollout"]["num_workers"], os.cpu_count() or 1))
     t_bench = time.perf_counter()
     try:
-        runs, setup, wall = {}, {}, {}
+        warmup_s = 0.0
         for i, name in enumerate(arms):
             d = json.loads(json.dumps(data))
             for section, values in ARMS[name].items():
                 d[section].update(values)
             t = time.perf_counter()
-            eta = _Eta(name, n_steps, n_steps * len(arms), i * n_steps, t_bench,
-                       one_off_s=sum(s.get("drafter_warmup", 0.0) for s in setup.values()))
-            runs[name], setup[name] = _train(load_config(d), out / name, eta)
-            wall[name] = time.perf_counter() - t
-            log.info("%s: %d steps in %.1fs (setup %s)", name, len(runs[name]), wall[name],
-                     {k: round(v, 1) for k, v in setup[name].items()})
+            eta = _Eta(name, n_steps, n_steps * len(arms), i * n_steps, t_bench, one_off_s=warmup_s)
+            arm: dict[str, Any] = {"setup_s": {}}
+            try:
+                arm["setup_s"] = _train(load_config(d), out / name, eta)
+            except Exception as exc:  # noqa: BLE001 - the other arms and the steps this one logged still count
+                log.exception("%s arm failed", name)
+                arm["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            arm["wall_s"] = round(time.perf_counter() - t, 1)
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / ARM_FILE).write_text(json.dumps(arm))
+            warmup_s += arm["setup_s"].get("drafter_warmup", 0.0)
+            log.info("%s: %.1fs (setup %s)%s", name, arm["wall_s"], {k: round(v, 1) for k, v in arm["setup_s"].items()},
+                     f"; failed: {arm['error']}" if "error" in arm else "")
     finally:
         if started:
             ray.shutdown()
+    result = summarize(out, preset_name, warm_skip, arms)
+    result.update(loadavg_start=[round(x, 2) for x in load_start], bench_s=round(time.perf_counter() - t_bench, 1))
+    return result
+
+
+def arm_rows(folder: Path) -> list[dict[str, float]]:
+    """An arm's scalars per step, as its run logged them (metrics.jsonl): what a failed arm finished counts."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [r["scalars"] for r in rows if "scalars" in r]
+
+
+def summarize(out: Path, preset_name: str, warm_skip: int = 1, arms: list[str] | None = None) -> dict[str, Any]:
+    """The figures (module doc) from the arms' folders under `out`, as e2e left them (`arms`: those
+    it ran; default: every arm folder there); also what `bench e2e --summarize OUT` prints for a
+    bench that was cut short. Needs steps of both the baseline and the TLT arm; a failed arm is
+    named in `failed_arms`, with what it logged before it failed."""
+    from ..config import load_config
+    from ..models.linear import cpu_flags, cpu_name
+
+    arms = arms or [name for name in ARMS if (out / name).exists()]
+    runs = {name: arm_rows(out / name) for name in arms}
+    info = {name: json.loads(p.read_text()) if (p := out / name / ARM_FILE).exists() else {} for name in arms}
+    if not runs.get("baseline") or not runs.get("tlt"):
+        raise RuntimeError(f"bench e2e: {out} holds no steps of the baseline or the TLT arm "
+                           f"({ {n: info[n].get('error', f'{len(runs[n])} steps') for n in arms} })")
+    setup = {name: info[name].get("setup_s", {}) for name in arms}
+    wall = {name: info[name].get("wall_s", 0.0) for name in arms}
+    cfg = load_config((out / "tlt" / "config.yaml").read_text()) if (out / "tlt" / "config.yaml").exists() else None
     b, t = runs["baseline"], runs["tlt"]
     skip = warm_skip if len(b) > warm_skip else 0  # the first step pays one-off warm-up costs
     base_step, tlt_step = _mean(b, "timing_s/step", skip), _mean(t, "timing_s/step", skip)
@@ -198,8 +240,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         "cpu": cpu_name(),
         "cpu_flags": cpu_flags(),
         "cpus": os.cpu_count(),
-        "dtype": resolve_dtype(base, resolve_device(base)).model.dtype,  # the rollout's
-        "loadavg_start": [round(x, 2) for x in load_start],
+        "dtype": cfg.model.dtype if cfg is not None else "",  # the rollout's, as the run resolved it
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "e2e_speedup": e2e_speedup,
         "step_s_baseline": base_step,
@@ -231,14 +272,15 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         # one-off costs outside the steps: the policy (cached after the first run), the TLT
         # drafter's offline warm-up (cached too), actor start; and each arm's whole wall time
         "setup_s": {name: {k: round(v, 2) for k, v in st.items()} for name, st in setup.items()},
-        "wall_s": {name: round(v, 1) for name, v in wall.items()},
-        "bench_s": round(time.perf_counter() - t_bench, 1),
+        "wall_s": wall,
     }
+    if failed := {name: info[name]["error"] for name in arms if "error" in info[name]}:
+        result["failed_arms"] = failed
     for name in arms:
         first, last = _fifths(curves[name])
         result[f"reward_by_step_{name}"] = curves[name]
         result[f"reward_rise_{name}"] = round(last - first, 4)
-    if "static" in arms:
+    if runs.get("static"):
         s_rows = runs["static"]
         result["acceptance_length_static"] = _mean(s_rows, "spec/acceptance_length")
         result["acceptance_by_step_static"] = acceptance["static"]
