@@ -419,7 +419,7 @@ def test_the_first_choice_on_a_machine_is_every_later_processs_even_timed_in_a_c
     have timed other kernels faster takes the cached ones."""
     waits = []
     monkeypatch.setattr(linear, "machine_busy", lambda: True)
-    monkeypatch.setattr(linear, "_wait_for_quiet", lambda timeout_s=None: waits.append(1))
+    monkeypatch.setattr(linear, "_wait_for_quiet", lambda: waits.append(1))
     _rigged_timings(monkeypatch, 0)
     first = _model()
     tune(first)

@@ -557,7 +557,7 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
     last bits, so two processes that chose differently would sample different tokens from the same
     weights. A run's rollout workers tune side by side as they start; one that timed its kernels on
     a crowded machine and kept its own choice gave the e2e bench's arms different samples from step
-    4 on (2026-12-06, an AVX-512 EPYC: only the rows of the worker that had tuned alone differed), and
+    4 on (2026-12-06, an AVX-512 EPYC: only the rows of the worker with its own choice differed), and
     a restarted worker would not redraw its step's samples. So tuning waits its turn under a file
     lock, reads what an earlier process chose, and caches what it timed even on a crowded machine,
     after waiting up to QUIET_WAIT_S for the crowd to pass (a choice timed in a crowd can be slower:
@@ -654,10 +654,10 @@ def _tuning_lock():
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _wait_for_quiet(timeout_s: float | None = None) -> None:
+def _wait_for_quiet() -> None:
     """Before timing kernels: wait up to QUIET_WAIT_S while machine_busy(), e.g. for a learner
     that publishes its weights while the rollout workers start."""
-    deadline = time.monotonic() + (QUIET_WAIT_S if timeout_s is None else timeout_s)
+    deadline = time.monotonic() + QUIET_WAIT_S
     while machine_busy() and time.monotonic() < deadline:
         time.sleep(0.5)
 
