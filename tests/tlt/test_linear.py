@@ -395,6 +395,10 @@ def test_draft_in_bfloat16_switches_only_the_float32_layers_tuned_to_gemv(monkey
     assert linear.draft_in_bfloat16(model) == 0  # idempotent
 
 
+needs_a_choice = pytest.mark.skipif(len(linear._candidates([Linear(256, 512)])) < 2,
+                                    reason="one row-invariant kernel here: nothing to choose")
+
+
 def _rigged_timings(monkeypatch, pick: int) -> None:
     """Timings that rank candidate `pick` (0: the first, -1: the last, of those this machine offers:
     row-invariant ones only) first, for the few-row and the bulk kernel alike."""
@@ -412,7 +416,7 @@ def _kernels(model) -> list[tuple[str, str]]:
     return [(layer.kernel, layer.bulk_kernel) for layer in model]
 
 
-@pytest.mark.skipif(len(linear._candidates([Linear(256, 512)])) < 2, reason="one row-invariant kernel: nothing to choose")
+@needs_a_choice
 def test_the_first_choice_on_a_machine_is_every_later_processs_even_timed_in_a_crowd(kernel_cache, monkeypatch):
     """Kernels differ in their last bits: a process that kept its own choice would sample other tokens
     from the same weights. So a crowded machine's choice is cached too, and a later tuner that would
@@ -434,7 +438,7 @@ def test_the_first_choice_on_a_machine_is_every_later_processs_even_timed_in_a_c
     assert _kernels(later) == _kernels(first) and waits == [1, 1], alone_choice
 
 
-@pytest.mark.skipif(len(linear._candidates([Linear(256, 512)])) < 2, reason="one row-invariant kernel: nothing to choose")
+@needs_a_choice
 def test_tuners_side_by_side_take_turns_and_agree(kernel_cache, monkeypatch):
     """Rollout workers tune as they start, together: under the lock the second one reads the first's
     choices instead of timing its own. Each tuner here would rank other kernels first."""

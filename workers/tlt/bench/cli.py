@@ -2,8 +2,8 @@
 
     python -m workers.tlt.bench e2e [--preset smollm2-mathmix-cpu|tiny-cpu|smollm2-cpu] [--steps N]
                                     [--static-drafter | --no-static-drafter] [--out DIR]
-    python -m workers.tlt.bench e2e --summarize DIR      # the figures of a bench already run there
                                     [--set drafter.warmup_steps=800 ...]   # preset overrides
+    python -m workers.tlt.bench e2e --summarize DIR      # the figures of a bench already run there
     python -m workers.tlt.bench rollout ...        # rollout engine: SD vs plain in the tail
     python -m workers.tlt.bench learner ...        # learner group: 1 vs 2 ranks, sync paths
     python -m workers.tlt.bench coupling [--set drafter.warmup_prompts=2048 ...]   # drafter/target
