@@ -70,4 +70,19 @@ def test_buckets_learn_separately_and_have_readable_labels():
     assert bandit.best(3) == "off"  # bucket 2-4 has no passes yet: ties go to the first arm
     assert [bandit.label(bandit.bucket(b)) for b in (1, 2, 4, 5, 20, 21, 500)] == ["1", "2-4", "2-4", "5-20", "5-20",
                                                                                      "21+", "21+"]
-    assert set(bandit.rates()) == {"1", "5-20"} | {"2-4", "21+"}
+    assert set(bandit.rates()) == {"1", "5-20"}  # the buckets that have passes
+
+
+def test_passes_on_more_threads_are_rated_apart():
+    """On one core SD loses to plain decoding, on two it wins: each thread count learns its own best
+    arm, and passes on one never decide for the other."""
+    bandit = BucketedBandit(["off", "sd"], epsilon=0.0)
+    one, two = {"off": 30.0, "sd": 25.0}, {"off": 40.0, "sd": 60.0}
+    for _ in range(10):
+        for threads, rate in ((1, one), (2, two)):
+            arm = bandit.select(1, threads)
+            bandit.update(1, arm, tokens=1, seconds=1 / rate[arm], threads=threads)
+    assert bandit.best(1, threads=1) == "off" and bandit.best(1, threads=2) == "sd"
+    rates = bandit.rates()
+    assert set(rates) == {"1", "1 on 2 threads"}
+    assert rates["1"] == pytest.approx(one) and rates["1 on 2 threads"] == pytest.approx(two)

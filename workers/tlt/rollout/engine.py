@@ -565,10 +565,11 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             else:  # a thread count that changes bits would change tokens: keep this rollout's
                 log.info("rollout: not taking %d threads, this model's kernels round differently on them", want)
                 threads = None
+        cores = torch.get_num_threads()  # this pass's (the bandit rates arms per thread count)
         t_step = time.perf_counter()
         arm = Arm(OFF)
         if arms and live <= policy.threshold:
-            arm = arms[bandit.select(live)]  # a forced arm is the bandit's only arm
+            arm = arms[bandit.select(live, cores)]  # a forced arm is the bandit's only arm
         sd_on = arm.label != OFF
         now = t_step - t0
         if not m.arm_timeline[0] or m.arm_timeline[0][-1][1] != arm.label:
@@ -647,13 +648,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         emitted = sum(k_host)
         if live <= policy.threshold:
             if arms:
-                bandit.update(live, arm.label, emitted, dt)
+                bandit.update(live, arm.label, emitted, dt, cores)
                 m.count_tail(emitted, dt, sd_on, bandit.label(bandit.bucket(live)), arm.label)
             else:
                 m.count_tail(emitted, dt, sd_on)
         if sd_on:
             m.verify_passes += 1
-        if torch.get_num_threads() > own_threads:
+        if cores > own_threads:
             m.borrowed_s += dt
 
     m.wall_s = time.perf_counter() - t0
