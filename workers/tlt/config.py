@@ -294,7 +294,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # in the batch-1 tail (the late parts of 1024-token rambles) the bandit picked the n-gram arm for
         # ~60% of passes, and n-grams out-accepted the drafter where they matched: the hybrid arm drafts
         # n-grams where a row has one and the drafter's chain where it has none. Depths 5, not 6: with
-        # the root that is 6 rows, one tile of the CPU's few-row kernel (SpecPolicy.ngram_depth)
+        # the root that is 6 rows, one tile of the few-row kernel on AVX2 (SpecPolicy.ngram_depth)
         "spec": {"threshold": 4, "strategies": [(4, 1, 4), (5, 1, 5), (8, 1, 8), (5, 2, 8)], "draft_vocab": 4096,
                  "hybrid_depth": 5},
         # warm-up: 2048 answers cut at 384 tokens (~150k response tokens, nearly all from the word

@@ -12,7 +12,8 @@ T = 1 is a plain decode step. The T's take turns, so all see the same machine.
 Reports the median milliseconds per T and `ratio_to_decode` (ms / the T = 1 ms). A draft of d
 tokens is verified in a pass of T = d + 1, so the ratio is what SD must beat in tokens per pass
 (acceptance), before the draft's own cost (`bench draft`). On the CPU's few-row kernel
-(csrc/gemv.cpp) up to 6 rows share each loaded weight: the step from T = 6 to 7 is a second tile.
+(csrc/gemv.cpp) up to 6 rows share each loaded weight (12 with AVX-512): the step from T = 6 to 7
+(13) is a second tile.
 """
 
 from __future__ import annotations

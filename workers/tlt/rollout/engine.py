@@ -59,8 +59,8 @@ HYBRID = re.compile(r"ngram\|d(\d+)")  # "ngram|d6": each row's n-gram draft whe
 # chains: ~1.3, at the cost of its draft steps) and after 3 tokens 2.33
 HYBRID_NGRAM_MIN = 2
 # tokens the n-gram arm proposes per pass: the root and 5 drafts are 6 rows, one tile of the CPU's gemv
-# kernel (csrc/gemv.cpp, RB); a 7th row costs a second tile (SmolLM2's linears on 2 AVX2 cores: 15.7 ms
-# for 1 row, 18.0 for 6, 21.9 for 7)
+# kernel on AVX2 (csrc/gemv.cpp, RB: 6 there, 12 with AVX-512); a 7th row costs a second tile (SmolLM2's
+# linears on 2 AVX2 cores: 15.7 ms for 1 row, 18.0 for 6, 21.9 for 7)
 NGRAM_DEPTH = 5
 # RolloutMetrics.chain_acceptance's chain (scalar spec/chain4_acceptance): smollm2-mathmix-cpu's shallowest arm
 FIXED_CHAIN_DEPTH = 4
