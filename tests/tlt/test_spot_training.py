@@ -164,6 +164,10 @@ def test_a_worker_state_carries_the_bandit_and_drops_one_of_an_older_layout():
     old.rewards = [{"off": [30.0]}]  # per-pass rates, as before the bandit ranked by throughput
     worker.load_worker_state({"bandit": old})
     assert worker._bandit is None  # a fresh bandit at the next rollout, not a crash at its first select
+    by_bucket = pickle.loads(pickle.dumps(bandit))
+    by_bucket.passes = [window for window in bandit.passes.values()]  # by bucket, before per thread count
+    worker.load_worker_state({"bandit": by_bucket})
+    assert worker._bandit is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")

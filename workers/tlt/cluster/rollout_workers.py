@@ -193,9 +193,10 @@ class RolloutWorkerImpl:
     def load_worker_state(self, state: dict[str, Any] | None) -> bool:
         state = state or {}
         bandit = state.get("bandit")
-        # a bandit pickled by an older version (per-pass rates, no `passes`) starts afresh: it relearns
-        # its arms within a few dozen passes, where its old layout would fail at the first select
-        self._bandit = bandit if isinstance(getattr(bandit, "passes", None), list) else None
+        # a bandit pickled by an older version (per-pass rates, no `passes`; or `passes` a list by
+        # bucket, before arms were rated per thread count) starts afresh: it relearns its arms within
+        # a few dozen passes, where its old layout would fail at the first select
+        self._bandit = bandit if isinstance(getattr(bandit, "passes", None), dict) else None
         if state.get("drafter_trainer") is not None:
             self._get_trainer().load_state_dict(state["drafter_trainer"])
         return True
