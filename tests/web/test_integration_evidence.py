@@ -72,6 +72,9 @@ def test_a_frozen_drafter_alerts_and_one_click_gives_the_pair_of_two_real_runs(
     login(page, base)
     tlt = launch(page, base, "frozen drafter", frozen_drafter_yaml())
     assert tlt.config["drafter"]["spot_training"] is False and tlt.is_tlt
+    # leave the live run page: it reloads itself 0.5 s after it sees the run end, and the goto below
+    # was once interrupted by that reload ("interrupted by another navigation")
+    page.goto("about:blank")
     tlt = wait_run_end(tlt.id, celery_worker_proc)
 
     # The alert: raised by the real run's own metrics (no applied drafter update while the policy moved).
