@@ -11,8 +11,9 @@ and otherwise exploits the best rate (ties: the earlier arm).
 
 A bucket is also per thread count: a CPU rollout worker decodes on one core until its peers lend
 theirs (rollout_workers.py), and what a pass costs, so which arm wins, depends on the cores it runs
-on (at batch 1 on SmolLM2 a 6-token verify pass costs 1.83 decode steps on one core, 1.31 on two):
-rates measured on one core must not decide for passes on two.
+on (SmolLM2 on an AVX-512 EPYC: a 6-token verify pass costs 1.32 decode steps on one thread, 1.22 on
+two; 1.64-1.83 on one before the few-row kernel prefetched its weights): rates measured on one core
+must not decide for passes on two.
 
 An arm's rate is its throughput over the window: tokens summed over seconds summed. The paper
 ranks arms by the median of per-pass rates, which undercounts SD: the tokens a pass accepts are
