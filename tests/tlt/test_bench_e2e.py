@@ -79,6 +79,7 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert r["e2e_speedup"] == pytest.approx(r["step_s_baseline"] / r["step_s_tlt"])
     assert r["rollout_speedup"] > 0 and 0 < r["rollout_share"] < 1
     assert 0.0 <= r["idle_reclaimed_frac"] <= 1.0
+    assert r["spot_paused_steps_tlt"] == []  # tiny-cpu spot-trains in every step (drafter.spot_stale_drop 0)
     assert r["acceptance_length"] >= 1.0  # 4 rows per worker: SD is on from the first token
     for arm in r["arms"]:
         assert (tmp_path / arm / "metrics.jsonl").exists()

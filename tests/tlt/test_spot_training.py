@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from workers.tlt.cluster.spot import SpotRounds
+from workers.tlt.cluster.spot import DrafterWatch, SpotRounds
 
 
 def rounds_for(workers=3, data=("r",), steps=4) -> SpotRounds:
@@ -105,6 +105,42 @@ def test_a_step_trains_at_most_max_epochs_over_its_data_and_more_data_reopens_th
         [(w, job)] = jobs
         jobs = uncapped.done(w, whole(job))
     assert uncapped.version == 10 and jobs
+
+
+def test_a_paused_step_opens_no_round_but_keeps_every_answer():
+    r = SpotRounds(2, {"w": torch.zeros(3)}, ["a"], seed=0, step=1, update_steps=4, data_tokens=1000,
+                   batch_tokens=100, paused=True)
+    assert r.idle(0) == [] and r.add_data(["b"], 500) == [] and r.idle(1) == []
+    master, stats = r.finish()
+    assert r.data_refs == ["a", "b"] and stats["drafter/data_tokens"] == 1500
+    assert stats["drafter/updates"] == 0 and r.version == 0 and torch.equal(master["w"], torch.zeros(3))
+
+
+def test_the_watch_trains_once_the_drafter_falls_below_its_fresh_level():
+    w = DrafterWatch(drop=0.1)
+    assert not w.should_train()  # no reading yet
+    for acceptance in (2.4, 2.2):  # the fresh level: 2.3
+        w.observe(version=1, chain_acceptance=acceptance, passes=200)
+        assert not w.should_train()
+    w.observe(1, 2.1, 200)  # 2.1 >= 0.9 * 2.3
+    assert w.reference == pytest.approx(2.3) and not w.should_train()
+    w.observe(1, 2.0, 200)  # 2.0 < 2.07: stale
+    assert w.should_train()
+    w.observe(1, 2.6, DrafterWatch.MIN_PASSES - 1)  # too few chain passes to count
+    assert w.readings[-1] == 2.0 and w.should_train()
+    w.observe(2, 1.5, 200)  # a trained drafter starts its own readings
+    assert w.readings == [1.5] and not w.should_train()
+    resumed = DrafterWatch(drop=0.1)
+    resumed.load_state_dict(w.state_dict())
+    assert (resumed.version, resumed.readings) == (2, [1.5])
+
+
+def test_without_a_drop_every_step_trains():
+    w = DrafterWatch()
+    assert w.should_train()
+    for acceptance in (3.0, 3.0, 1.0, 3.5):
+        w.observe(1, acceptance, 200)
+        assert w.should_train()
 
 
 def test_a_member_that_never_answers_is_dropped_with_its_round():

@@ -484,6 +484,29 @@ def test_a_static_drafter_run_speculates_but_never_trains_its_drafter(ray_local,
         tracking.close()
 
 
+def test_spot_training_on_demand_waits_until_the_drafter_goes_stale(ray_local, tmp_path):
+    """drafter.spot_stale_drop > 0: steps before the drafter has a fresh level to fall from train
+    nothing and lend their idle cores at once, yet keep their answers; a stale drafter trains again."""
+    data = tiny_cfg(steps=3).model_dump(mode="json")
+    data["drafter"]["spot_stale_drop"] = 0.2
+    tracking = Tracking([JsonlSink(tmp_path / "metrics.jsonl")])
+    trainer = Trainer(load_config(data), tmp_path, tracking)
+    try:
+        trainer.setup()
+        warmed = {k: v.clone() for k, v in trainer.drafter_state.items()}
+        for step in (1, 2):
+            s = trainer.run_step().scalars
+            assert s["drafter/spot_paused"] == 1.0 and s["drafter/steps"] == 0 and s["idle/reclaimed_s"] == 0
+            assert {r.step for r in trainer.buffer.records} >= {step}  # the step's answers are kept
+        assert all(torch.equal(trainer.drafter_state[k], v) for k, v in warmed.items())
+        assert trainer.watch.version == trainer._drafter_version
+        trainer.watch.readings = [3.0, 3.0, 1.0]  # the drafter's chains fell from 3 tokens per pass to 1
+        assert trainer.run_step().scalars["drafter/spot_paused"] == 0.0
+    finally:
+        trainer.close()
+        tracking.close()
+
+
 def test_each_step_keeps_a_few_responses_for_the_sample_viewer(tlt_run):
     _, history = tlt_run
     for h in history:

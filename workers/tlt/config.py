@@ -201,6 +201,13 @@ class DrafterSection(_Section):
         0.0, ge=0, le=1000,
         description="Passes over a step's spot-training data at most (its trainable tokens over batch_tokens "
                     "per optimizer step): more fits the drafter to a few answers. 0: train while idle.")
+    spot_stale_drop: float = Field(
+        0.0, ge=0, lt=1,
+        description="Spot training on demand. 0: every step trains while workers are idle (the paper's schedule). "
+                    "Above 0: a step trains only when the drafter has gone stale, i.e. its chain acceptance "
+                    "(spec/chain4_acceptance) in the last step fell this fraction below its mean over the first two "
+                    "steps it drafted in; other steps keep their answers for later and leave the finished workers' "
+                    "cores to the tail (rollout.lend_idle_cores), which on CPUs is where an idle core is worth more.")
     buffer_tokens: int = Field(200_000, ge=256, description="Online buffer budget; oldest records are evicted first.")
     hidden_loss_weight: float = Field(1.0, ge=0, description="SmoothL1 on the predicted next hidden state.")
     token_loss_weight: float = Field(0.1, ge=0, description="Soft cross-entropy against the target's distribution.")

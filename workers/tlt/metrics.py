@@ -63,6 +63,7 @@ SCALAR_KEYS = {
     "drafter/loss": "spot-training loss (last window)",
     "drafter/accuracy": "drafter top-1 agreement with the target on trained tokens",
     "drafter/steps": "drafter optimizer steps done this RL step",
+    "drafter/spot_paused": "1: this step trained no drafter because it had not gone stale (drafter.spot_stale_drop)",
     "idle/worker_s": "worker-seconds spent idle waiting for the tail",
     "idle/reclaimed_s": "idle worker-seconds used for drafter training",
     "idle/reclaimed_frac": "reclaimed / idle",
@@ -88,11 +89,13 @@ SCALAR_KEYS = {
 # scalars a step reports only when it measured them (a chart shows a gap, never a made-up zero):
 # acceptance only when SD verified a draft (per kind: when that kind of draft ran), each tail speed only when that mode ran in the tail,
 # the drafter's loss and accuracy only when a spot-training update was applied, the audit at
-# checkpoints of TLT runs, the chain figure only when a drafter chain ran, the learner's core share on CPUs
+# checkpoints of TLT runs, the chain figure only when a drafter chain ran, the learner's core share on CPUs,
+# whether spot training paused only in runs that spot-train
 WHEN_MEASURED = {"spec/acceptance_length", "spec/acceptance_chain", "spec/acceptance_tree", "spec/acceptance_ngram",
                  "spec/acceptance_hybrid", "spec/chain4_acceptance", "rollout/tail_tokens_per_s_sd",
                  "rollout/tail_tokens_per_s_no_sd", "learner/cpu_share", "drafter/loss", "drafter/accuracy",
-                 "audit/greedy_identical", "audit/greedy_prompts", "audit/acceptance_length", "timing_s/engine_sleep"}
+                 "audit/greedy_identical", "audit/greedy_prompts", "audit/acceptance_length", "timing_s/engine_sleep",
+                 "drafter/spot_paused"}
 
 SERIES_KEYS = {
     "rollout/lengths": "list[int]: every response length of the step",

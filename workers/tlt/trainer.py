@@ -48,6 +48,7 @@ import ray
 import torch
 
 from .cluster.accounting import Accounting, WorkerTimes
+from .cluster.spot import DrafterWatch
 from .checkpoint import CheckpointManager, capture_rng, restore_rng
 from .config import TLTConfig
 from .learn.grpo import RolloutBatch
@@ -173,6 +174,7 @@ class Trainer:
         self.step = 0
         self.workers: list[Any] = []
         self._spot_failed = False  # spot training failed once: the run goes on with SD, without retraining
+        self.watch = DrafterWatch(cfg.drafter.spot_stale_drop)  # whether a step's spot training runs
         self.worker_retries = 0  # rollouts run again after a worker died or hung
         self.learner_group = None  # learner_group.LearnerGroup, started with the actors
         self._pg = None  # the run's placement group
@@ -323,6 +325,7 @@ class Trainer:
         self.worker_states = st.get("worker_states") or self.worker_states
         self.acct.load_state_dict(st.get("accounting", {}))
         self.drafter_tokens = int(st.get("drafter_tokens", 0))
+        self.watch.load_state_dict(st.get("drafter_watch"))
         log.info("resumed from %s (step %d)", latest, self.step)
         return True
 
@@ -336,6 +339,7 @@ class Trainer:
             "worker_states": self.worker_states,
             "accounting": self.acct.state_dict(),
             "drafter_tokens": self.drafter_tokens,
+            "drafter_watch": self.watch.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
         }
         step = self.step
@@ -511,6 +515,7 @@ class Trainer:
                 drafter_stats.setdefault("drafter/steps", 0.0)
             if self.spot:  # the warning: spot training failed and the run goes on with SD only
                 drafter_stats["drafter/spot_failed"] = 1.0 if self._spot_failed else 0.0
+                drafter_stats["drafter/spot_paused"] = float(spot is not None and spot.rounds.paused)
 
         # --- metrics ---
         trained = spot.rounds.trained_intervals if spot is not None else {}
@@ -521,6 +526,9 @@ class Trainer:
         rollout = RolloutMetrics.merge([RolloutMetrics.from_dict(r["metrics"]) for r in results],
                                        [r["gen_start"] - t0 for r in results])
         roll_scalars, roll_series = rollout.scalars(), rollout.series()
+        if self.tlt:  # the drafter version this step drafted with, and how well (spot training's trigger)
+            self.watch.observe(self._drafter_version, rollout.chain_acceptance(),
+                               sum(rollout.chain_attempted_by_pos[:1]))
         roll_series.pop("rollout/lengths")  # the step's own list below: in sample order
         scalars: dict[str, float] = {}
         scalars["reward/mean"] = float(np.mean(rewards)) if rewards else 0.0
@@ -600,7 +608,7 @@ class Trainer:
             dc = cfg.drafter
             rounds = SpotRounds(W, self.drafter_state, refs, seed=cfg.run.seed, step=step,
                                 update_steps=dc.spot_update_steps, data_tokens=tokens, batch_tokens=dc.batch_tokens,
-                                max_epochs=dc.spot_max_epochs, put=ray.put)
+                                max_epochs=dc.spot_max_epochs, put=ray.put, paused=not self.watch.should_train())
         spot = _Spot(rounds, pending, {}) if rounds is not None else None
         results: list[dict | None] = [None] * W
         deadline = time.monotonic() + cfg.rollout.timeout_s

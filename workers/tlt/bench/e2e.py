@@ -12,7 +12,8 @@ step-time ratio is TLT's own effect. It reports
     rollout_speedup      baseline / TLT mean rollout time: s
     amdahl_bound         1 / ((1 - r) + r / s): the end-to-end speedup a rollout speedup s allows
     e2e_efficiency       e2e_speedup / amdahl_bound (1: TLT costs nothing outside the rollout)
-    idle_reclaimed_frac  idle worker-seconds used for drafter training, TLT run
+    idle_reclaimed_frac  idle worker-seconds used for drafter training, TLT run (spot_paused_steps_tlt:
+                         the steps that trained nothing because the drafter had not gone stale)
     acceptance_length    mean tokens per verify pass while SD was on, TLT run (and per step; and
                          *_static for the frozen drafter)
     acceptance_by_kind   the same per kind of draft that ran: the drafter's chains and trees, n-grams
@@ -266,6 +267,8 @@ def summarize(out: Path, preset_name: str, warm_skip: int = 1, arms: list[str] |
         "drafter_accuracy_by_step": [round(r.get("drafter/accuracy", 0.0), 3) for r in t],
         "drafter_updates_tlt": sum(r.get("drafter/updates", 0.0) for r in t),
         "drafter_dropped_updates_tlt": sum(r.get("drafter/dropped_updates", 0.0) for r in t),
+        # steps whose spot training waited for a stale drafter (drafter.spot_stale_drop)
+        "spot_paused_steps_tlt": [i for i, r in enumerate(t, 1) if r.get("drafter/spot_paused")],
         "len_p50_by_step": [int(r.get("rollout/len_p50", 0)) for r in b],
         "len_max_by_step": [int(r.get("rollout/len_max", 0)) for r in b],
         "profile_s": profile,

@@ -5,7 +5,8 @@ harvested records, then is idle; `SpotRounds` decides what each idle worker trai
 sends it as one `spot_update` call. There is no coordinator actor and no polling:
 
     rounds = SpotRounds(num_workers, master_state, data_refs, seed=..., step=..., update_steps=...,
-                        data_tokens=..., batch_tokens=..., max_epochs=...)
+                        data_tokens=..., batch_tokens=..., max_epochs=...,
+                        paused=not watch.should_train())   # watch: a DrafterWatch (below)
     jobs = rounds.idle(worker)                 # [(worker, job)] to send now (maybe none: wait for the round)
     jobs = rounds.add_data(refs, tokens)       # more records (a worker packed its shard)
     jobs = rounds.done(worker, result)         # an update came back (whole, or dropped when preempted)
@@ -22,6 +23,9 @@ A step's training is capped at `max_epochs` passes over the step's data (its tra
 answers are a few thousand tokens, and training on them for a whole long tail made the drafter fit
 them and lose the warm-up's generality (held-out agreement fell; see the preset), while the
 training itself slowed the decoding on the other core.
+
+`DrafterWatch` decides whether a step trains at all (drafter.spot_stale_drop): where an idle core
+has another use, spot training waits until the drafter has measurably gone stale.
 """
 
 from __future__ import annotations
@@ -43,6 +47,57 @@ def step_budget(data_tokens: int, batch_tokens: int, max_epochs: float) -> float
     return math.ceil(max_epochs * data_tokens / batch_tokens)
 
 
+class DrafterWatch:
+    """Spot training on demand: whether the drafter has gone stale since it was last trained.
+
+    On a GPU a worker whose shard is in is idle, and spot training costs nothing. CPU workers lend
+    their cores to the tail instead (rollout.lend_idle_cores), so there every core-second of
+    training is one the tail does not get; and over the e2e bench's 20 steps the frozen drafter
+    accepted as much as the trained one while its steps ran shorter (README "Spot training on
+    demand"). With `drop` > 0 a step trains only once the drafter has gone stale: each drafter
+    version's acceptance is read from the steps it drafted in (spec/chain4_acceptance, the arm held
+    fixed, from steps with at least MIN_PASSES chain passes), the mean of its first REFERENCE_STEPS
+    readings is its fresh level, and it is stale when the latest reading falls `drop` (a fraction)
+    below that. A trained drafter is a new version and starts its own readings. drop 0: every step
+    trains (the paper's schedule).
+    """
+
+    REFERENCE_STEPS = 2
+    MIN_PASSES = 50  # chain passes at draft position 1: fewer make a reading mostly noise
+
+    def __init__(self, drop: float = 0.0):
+        self.drop = drop
+        self.version: int | None = None  # the drafter version the readings belong to
+        self.readings: list[float] = []
+
+    def observe(self, version: int, chain_acceptance: float, passes: int) -> None:
+        """A step's reading: the drafter version it drafted with, its chain acceptance, the chain passes."""
+        if version != self.version:
+            self.version, self.readings = version, []
+        if passes >= self.MIN_PASSES:
+            self.readings.append(float(chain_acceptance))
+
+    @property
+    def reference(self) -> float | None:
+        """The drafter version's fresh level: the mean of its first REFERENCE_STEPS readings."""
+        first = self.readings[: self.REFERENCE_STEPS]
+        return sum(first) / len(first) if len(first) == self.REFERENCE_STEPS else None
+
+    def should_train(self) -> bool:
+        if self.drop <= 0:
+            return True
+        ref = self.reference
+        return (ref is not None and len(self.readings) > self.REFERENCE_STEPS
+                and self.readings[-1] < (1.0 - self.drop) * ref)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "readings": list(self.readings)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.version, self.readings = state.get("version"), [float(r) for r in state.get("readings", [])]
+
+
 @dataclass
 class _Round:
     version: int
@@ -55,8 +110,9 @@ class SpotRounds:
 
     def __init__(self, num_workers: int, master: dict[str, torch.Tensor], data_refs: list[Any], *, seed: int,
                  step: int, update_steps: int, data_tokens: int = 0, batch_tokens: int = 0,
-                 max_epochs: float = 0.0, put: Callable[[Any], Any] = lambda x: x):
+                 max_epochs: float = 0.0, put: Callable[[Any], Any] = lambda x: x, paused: bool = False):
         self.num_workers = num_workers
+        self.paused = paused  # the drafter is not stale (DrafterWatch): no round opens, the answers still pack
         self.master = master
         self.version = 0
         self.data_refs = list(data_refs)
@@ -84,7 +140,7 @@ class SpotRounds:
 
     def budget_left(self) -> bool:
         """Whether the step's epoch cap (module doc) leaves room for another round."""
-        return self.sent_steps < step_budget(self.data_tokens, self.batch_tokens, self.max_epochs)
+        return not self.paused and self.sent_steps < step_budget(self.data_tokens, self.batch_tokens, self.max_epochs)
 
     def done(self, worker: int, result: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
         """A member's answer: {"state": weights or None, "steps", "loss", "accuracy", "interval", "empty"}."""
