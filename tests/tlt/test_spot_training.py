@@ -122,12 +122,14 @@ def test_the_watch_trains_once_the_drafter_falls_below_its_fresh_level():
     for acceptance in (2.4, 2.2):  # the fresh level: 2.3
         w.observe(version=1, chain_acceptance=acceptance, passes=200)
         assert not w.should_train()
-    w.observe(1, 2.1, 200)  # 2.1 >= 0.9 * 2.3
+    w.observe(1, 1.5, 200)  # one low step: a reading is noisy, two are averaged
     assert w.reference == pytest.approx(2.3) and not w.should_train()
-    w.observe(1, 2.0, 200)  # 2.0 < 2.07: stale
+    w.observe(1, 2.7, 200)  # (1.5 + 2.7) / 2 = 2.1 >= 0.9 * 2.3
+    assert not w.should_train()
+    w.observe(1, 1.4, 200)  # (2.7 + 1.4) / 2 = 2.05 < 2.07: stale
     assert w.should_train()
     w.observe(1, 2.6, DrafterWatch.MIN_PASSES - 1)  # too few chain passes to count
-    assert w.readings[-1] == 2.0 and w.should_train()
+    assert w.readings[-1] == 1.4 and w.should_train()
     w.observe(2, 1.5, 200)  # a trained drafter starts its own readings
     assert w.readings == [1.5] and not w.should_train()
     resumed = DrafterWatch(drop=0.1)

@@ -500,7 +500,7 @@ def test_spot_training_on_demand_waits_until_the_drafter_goes_stale(ray_local, t
             assert {r.step for r in trainer.buffer.records} >= {step}  # the step's answers are kept
         assert all(torch.equal(trainer.drafter_state[k], v) for k, v in warmed.items())
         assert trainer.watch.version == trainer._drafter_version
-        trainer.watch.readings = [3.0, 3.0, 1.0]  # the drafter's chains fell from 3 tokens per pass to 1
+        trainer.watch.readings = [3.0, 3.0, 1.0, 1.0]  # the drafter's chains fell from 3 tokens per pass to 1
         assert trainer.run_step().scalars["drafter/spot_paused"] == 0.0
     finally:
         trainer.close()
