@@ -206,8 +206,9 @@ class DrafterSection(_Section):
         description="Spot training on demand. 0: every step trains while workers are idle (the paper's schedule). "
                     "Above 0: a step trains only when the drafter has gone stale, i.e. its chain acceptance "
                     "(spec/chain4_acceptance) over the last two steps fell this fraction below its mean over the "
-                    "first two steps it drafted in; other steps keep their answers for later and leave the finished workers' "
-                    "cores to the tail (rollout.lend_idle_cores), which on CPUs is where an idle core is worth more.")
+                    "first two steps it drafted in; other steps keep their answers for later and leave the "
+                    "finished workers' cores to the tail (rollout.lend_idle_cores), which on CPUs is where an idle "
+                    "core is worth more.")
     buffer_tokens: int = Field(200_000, ge=256, description="Online buffer budget; oldest records are evicted first.")
     hidden_loss_weight: float = Field(1.0, ge=0, description="SmoothL1 on the predicted next hidden state.")
     token_loss_weight: float = Field(0.1, ge=0, description="Soft cross-entropy against the target's distribution.")
