@@ -63,7 +63,7 @@ class DrafterWatch:
 
     One step's reading is noisy: a frozen drafter's ranged 1.55-2.61 over 20 steps of the e2e bench
     (sd 0.27 around 2.14), since a step's tail holds a few answers. Averaging two readings, drop 0.2
-    fired 0.5-0.6 times per 20 steps on those readings shuffled, and caught a drafter losing 3% a step
+    fired 0.6 times per 20 steps on those readings shuffled, and caught a drafter losing 3% a step
     by its ninth step (README "Spot training on demand").
     """
 
