@@ -331,9 +331,10 @@ def bf16_pays() -> bool:
     about what a one-token decode step does, and the preset's A/B gained more than in float32.
     Not with AVX-512 BF16 alone, although gemv's dot products (csrc/dot_bf16.cpp) decode there much
     faster than float32 (2 EPYC cores, SmolLM2: a decode step 15.0 against 26.0 ms, a 6-token verify
-    pass 18.7 against 31.8): in the preset's A/B (2026-12-05, README "End to end") SD did not speed
-    up the tail (99.5 against 99.4 tokens/s), TLT's step was 0.97x the baseline's (float32 on that
-    VM: 1.04x), and the learner's log-probs of the rollout's tokens moved by up to 1.0 (1.1e-4)."""
+    pass 18.7 against 31.8): in the preset's A/B (2026-12-05, workers/tlt/bench/RESULTS.md
+    "End to end") SD did not speed up the tail (99.5 against 99.4 tokens/s), TLT's step was 0.97x
+    the baseline's (float32 on that VM: 1.04x), and the learner's log-probs of the rollout's tokens
+    moved by up to 1.0 (1.1e-4)."""
     return onednn_bf16() and "amx_bf16" in cpu_flags()
 
 
