@@ -21,9 +21,9 @@ from workers.tlt.config import ConfigError
 DEMO_USER = "demo"
 DEMO_TEAM = "Demo team"
 # The headline workload (SmolLM2-135M on mathmix's long tail), where TLT is measurably faster than its
-# baseline at the same reward curve (README, "End to end"); ~35 min on 2 CPU cores from a clean clone,
-# 15 of them the drafter warm-up's first run (cached after). "Run baseline control" on its page
-# trains the A/B partner.
+# baseline at the same reward curve (README, "End to end"); ~37 min on 2 cores of an AVX-512 EPYC from a
+# clean clone, 26.5 of them the drafter warm-up's first run (cached after; 2026-12-07). "Run baseline
+# control" on its page trains the A/B partner.
 DEMO_PRESET = "smollm2-mathmix-cpu"
 DEMO_TAG = "demo"
 
