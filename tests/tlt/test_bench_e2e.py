@@ -81,6 +81,12 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert 0.0 <= r["idle_reclaimed_frac"] <= 1.0
     assert r["spot_paused_steps_tlt"] == []  # tiny-cpu spot-trains in every step (drafter.spot_stale_drop 0)
     assert r["acceptance_length"] >= 1.0  # 4 rows per worker: SD is on from the first token
+    # the kernels each arm's workers decoded with (one choice per machine: the same in every arm);
+    # drafter kernels only where a drafter drafted
+    k = r["kernels"]
+    assert set(k) == {"baseline", "tlt", "static"} and all(k[arm] for arm in k)
+    assert k["baseline"]["0"]["policy"] == k["tlt"]["0"]["policy"] and k["tlt"]["0"]["policy"]
+    assert "drafter" not in k["baseline"]["0"] and k["tlt"]["0"]["drafter"] and k["static"]["0"]["drafter"]
     for arm in r["arms"]:
         assert (tmp_path / arm / "metrics.jsonl").exists()
     # the figures come from the arms' folders: --summarize prints them again, without running anything

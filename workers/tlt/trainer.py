@@ -183,6 +183,7 @@ class Trainer:
         self._drafter_pub = None  # weight_sync.BucketPublisher of the drafter (the driver owns it)
         self._drafter_manifest = None
         self._drafter_version = 0
+        self.kernels: dict[int, dict[str, dict[str, str]]] = {}  # worker -> its last rollout's kernels
         self._resume_learner: Path | None = None  # a checkpoint's learner folder, loaded once the group runs
         self.last_mismatch_hist: dict[str, list] = {}
         self._learner_updates = 0  # GRPO updates since the start (or the resumed checkpoint's step)
@@ -468,6 +469,7 @@ class Trainer:
                 get_all([w.sleep.remote() for w in self.workers], cfg.rollout.timeout_s, "putting the rollout engines to sleep")
 
         self.last_results = results
+        self.kernels = {r["worker"]: r["kernels"] for r in results if "kernels" in r}
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         lengths: list[int] = []

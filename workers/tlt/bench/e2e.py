@@ -29,6 +29,9 @@ step-time ratio is TLT's own effect. It reports
     setup_s / wall_s     one-off costs outside the steps (policy, drafter warm-up, actors); whole runs
     cpu, loadavg_*       the machine: figures from a shared machine are only as good as its load
     dtype                the rollout's dtype (model.dtype; bfloat16 takes oneDNN kernels where the CPU has them)
+    kernels              per arm and rollout worker, the few-row kernel each policy (and drafter) layer
+                         shape decoded with (linear.chosen_kernels): the tuner chooses them per machine,
+                         and a choice that favours verify passes slows the baseline's plain decoding
 
 The baseline is the strong one: the same engine and batching (finished rows leave the batch),
 SD and spot training off. Step means skip the first step (one-off warm-up costs). Progress, with
@@ -95,9 +98,9 @@ class _Eta:
         pass
 
 
-def _train(cfg, out: Path, eta: _Eta) -> dict[str, float]:
-    """Run one config (its steps' metrics go to out/metrics.jsonl); returns the setup seconds (policy,
-    drafter_warmup, actors)."""
+def _train(cfg, out: Path, eta: _Eta) -> dict[str, Any]:
+    """Run one config (its steps' metrics go to out/metrics.jsonl); returns its setup seconds (policy,
+    drafter_warmup, actors) and each worker's kernels."""
     from ..metrics import JsonlSink, Tracking
     from ..trainer import Trainer
 
@@ -107,7 +110,7 @@ def _train(cfg, out: Path, eta: _Eta) -> dict[str, float]:
         trainer.setup()
         eta.one_off_s += trainer.setup_s.get("drafter_warmup", 0.0)
         trainer.run()
-        return dict(trainer.setup_s)
+        return {"setup_s": dict(trainer.setup_s), "kernels": {str(w): k for w, k in trainer.kernels.items()}}
     finally:
         trainer.close()
         tracking.close()
@@ -170,7 +173,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
             eta = _Eta(name, n_steps, n_steps * len(arms), i * n_steps, t_bench, one_off_s=warmup_s)
             arm: dict[str, Any] = {"setup_s": {}}
             try:
-                arm["setup_s"] = _train(load_config(d), out / name, eta)
+                arm.update(_train(load_config(d), out / name, eta))
             except Exception as exc:  # noqa: BLE001 - the other arms and the steps this one logged still count
                 log.exception("%s arm failed", name)
                 arm["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -242,6 +245,7 @@ def summarize(out: Path, preset_name: str, warm_skip: int = 1, arms: list[str] |
         "cpu_flags": cpu_flags(),
         "cpus": os.cpu_count(),
         "dtype": cfg.model.dtype if cfg is not None else "",  # the rollout's, as the run resolved it
+        "kernels": {name: info[name].get("kernels", {}) for name in arms},
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "e2e_speedup": e2e_speedup,
         "step_s_baseline": base_step,

@@ -31,6 +31,7 @@ import ray
 import torch
 
 from ..memory import return_freed_memory
+from ..models.linear import chosen_kernels
 from .placement import sleeps_while_learning
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,8 @@ class RolloutWorkerImpl:
             "gen_end": gen_end,
             "harvested": res.hidden is not None,  # False: the driver harvests from the learner's pass
             "drafter_version": self.drafter_version,  # the drafter this rollout drafted with
+            # the few-row kernels it decoded with: an A/B's arms are only as fair as these (bench e2e)
+            "kernels": {"policy": chosen_kernels(self.policy), **({"drafter": chosen_kernels(self.drafter)} if tlt else {})},
         }
 
     def pack(self) -> dict[str, Any]:
