@@ -467,6 +467,41 @@ def test_tuners_side_by_side_take_turns_and_agree(kernel_cache, monkeypatch):
     assert _kernels(models[0]) == _kernels(models[1])
 
 
+@needs_a_choice
+def test_a_worker_lent_cores_is_tuned_at_each_thread_count_it_decodes_on(kernel_cache, monkeypatch):
+    """A rollout worker decodes on its own thread, then on its peers' cores too, with one kernel for
+    both: the kernel chosen is the one fastest over both counts, not at its own count alone, and the
+    choice is cached apart from a one-thread choice. The timings here rank the first candidate first
+    by a little on one thread and the last by a lot on two."""
+    seen = []
+
+    def timed(layers, kernels, rows, reps):
+        threads = torch.get_num_threads()
+        seen.append(threads)
+        return {k: (1.0 if k == kernels[0] else 1.1) if threads == 1 else (1.0 if k == kernels[-1] else 2.0)
+                for k in kernels}
+
+    monkeypatch.setattr(linear, "_time_group", timed)
+    monkeypatch.setattr(linear, "_decode_threads", ())
+    own = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _model()
+        tune(alone)
+        linear.set_decode_threads(1, 2)
+        lent = _model()
+        tune(lent)
+        assert torch.get_num_threads() == 1  # the worker's own count, restored
+    finally:
+        torch.set_num_threads(own)
+    first, last = linear._candidates(list(alone))[0], linear._candidates(list(alone))[-1]
+    assert {m.kernel for m in alone} == {first} and {m.kernel for m in lent} == {last}
+    assert sorted(set(seen)) == [1, 2]
+    assert "threads 1|" in kernel_cache.read_text() and "threads 1+2|" in kernel_cache.read_text()
+    with pytest.raises(ValueError, match="at least 1"):
+        linear.set_decode_threads(0)
+
+
 def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):
     """Where gemv cannot be built (no C++ compiler) the tuner measures the others only."""
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)

@@ -524,13 +524,15 @@ def test_each_step_keeps_a_few_responses_for_the_sample_viewer(tlt_run):
 
 def test_a_worker_decodes_on_lent_cores_only_for_the_step_they_were_lent_for(monkeypatch):
     from workers.tlt.cluster.rollout_workers import RolloutWorkerImpl
-    from workers.tlt.models import cpu_kernels
+    from workers.tlt.models import cpu_kernels, linear
 
     if not cpu_kernels.available():
         pytest.skip("needs the gemv kernel (thread-invariant by construction)")
     cfg = tiny_cfg(tlt=False)
     policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
-    worker = RolloutWorkerImpl(0, policy.config, cfg)
+    monkeypatch.setattr(linear, "_decode_threads", ())
+    worker = RolloutWorkerImpl(0, policy.config, cfg, max_threads=2)
+    assert linear.decode_threads() == (1, 2)  # its kernels are timed for the lent cores too
     worker.load_weights(policy.state_dict(), None)
     for layer in worker.policy.modules():
         if hasattr(layer, "kernel"):

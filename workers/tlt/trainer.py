@@ -156,6 +156,15 @@ class StepOutput:
     rewards: list[float]
 
 
+
+def lendable_cores(cfg: TLTConfig, device: str) -> int:
+    """The cores CPU rollout workers share by lending them (rollout.lend_idle_cores): one thread per
+    worker (Trainer._new_worker), at most the machine's; 1 where nothing is lent."""
+    if device != "cpu" or cfg.rollout.engine != "builtin" or not cfg.rollout.lend_idle_cores:
+        return 1
+    return min(cfg.rollout.num_workers, os.cpu_count() or 1)
+
+
 class Trainer:
     """Builds the run's models and actors and runs its steps (see the module doc)."""
 
@@ -651,12 +660,11 @@ class Trainer:
         keeps its core until that work is done: sharing a core, spot training and the lent decode
         both slowed, and a TLT rollout gained nothing from lending (README "Spot training and lent
         cores"). Called after every event of the rollout's wait loop, so the count can go up or down."""
-        cfg = self.cfg
-        if self.device != "cpu" or cfg.rollout.engine != "builtin" or not cfg.rollout.lend_idle_cores:
+        cores = lendable_cores(self.cfg, self.device)
+        if cores == 1:
             return
         running = [j for j, r in enumerate(results) if r is None]
         if running:
-            cores = min(len(results), os.cpu_count() or 1)  # one thread per worker (_new_worker)
             free = cores - sum(results[j] is not None for j in training)
             for j in running:
                 self.workers[j].lend_cores.remote(step, max(1, free // len(running)))
@@ -709,7 +717,8 @@ class Trainer:
         actor = self.worker_actor or self._worker_cls
         gpu = self.device == "cuda"
         return actor.options(**self._plan.worker_options(self._pg, i)).remote(
-            i, self.policy.config, self.cfg, device="cuda" if gpu else "cpu", threads=1)
+            i, self.policy.config, self.cfg, device="cuda" if gpu else "cpu", threads=1,
+            max_threads=lendable_cores(self.cfg, self.device))
 
     def _restart_workers(self, workers: list[int]) -> None:
         """Fresh actors in the same bundles, with the last checkpoint's worker state; the weights

@@ -53,12 +53,16 @@ def _lowest_cpu_priority() -> None:
 class RolloutWorkerImpl:
     """One rollout worker: policy + drafter copies, the SD bandit, spot drafter training."""
 
-    def __init__(self, worker_id: int, model_config, cfg, device: str = "cpu", threads: int = 1):
+    def __init__(self, worker_id: int, model_config, cfg, device: str = "cpu", threads: int = 1,
+                 max_threads: int = 1):
         from ..models.drafter import Drafter
+        from ..models.linear import set_decode_threads
         from ..models.transformer import Transformer
 
         torch.set_num_threads(threads)
-        self.threads = threads  # its own intra-op threads; more while it decodes on lent cores
+        if device == "cpu" and max_threads > threads:  # kernels chosen for the lent cores too (linear.tune)
+            set_decode_threads(threads, max_threads)
+        self.threads = threads  # its own intra-op threads; up to max_threads while it decodes on lent cores
         self._cores = threads  # the threads the decode loop may take now (lend_cores)
         self._step: int | None = None  # the step whose rollout runs (a late lend for another is ignored)
         self.id = worker_id

@@ -7,9 +7,10 @@ which kernel reads them fastest depends on the CPU: on 2 AVX2 EPYC cores a pre-p
 weight ran a SmolLM2 decode step ~1.9x faster than PyTorch's default MKL sgemv; on an AVX-512
 Xeon the same choice ran slower than the default. So nothing is assumed: `tune(model)` times each
 candidate on the model's own layers (grouped by weight shape, each group streamed whole, as a
-decode step streams it) for 1..64 rows, keeps the fastest per group, and caches the choice on
-disk per CPU model, torch version and thread count (`kernel_cache_path()`); rollout.generate()
-tunes the models it decodes with on first use.
+decode step streams it) for 1..64 rows, at each thread count the process decodes on
+(`decode_threads`), keeps the fastest per group, and caches the choice on disk per CPU model,
+torch version and thread counts (`kernel_cache_path()`); rollout.generate() tunes the models it
+decodes with on first use.
 
 Only a ROW-INVARIANT kernel may be chosen: one that gives a row the same bits whatever rows come
 with it (up to MAX_FEW_ROWS rows in float32, BF16_INVARIANT_ROWS in bfloat16), checked on each
@@ -370,12 +371,36 @@ def kernel_cache_path() -> Path:
     return Path(os.environ.get("TLT_KERNEL_CACHE") or default)
 
 
+_decode_threads: tuple[int, ...] = ()  # set_decode_threads
+
+
+def set_decode_threads(*counts: int) -> None:
+    """Declare the intra-op thread counts this process's few-row products run at; tune() then scores
+    each kernel at every one of them (none declared: at the calling thread's count).
+
+    A rollout worker decodes on its own core until its peers finish, then on theirs too
+    (rollout.lend_idle_cores), and one kernel must serve both, since a kernel switched mid-rollout
+    would change a token's bits. Tuned at the worker's one thread alone, an AVX-512 EPYC chose oneDNN
+    for most of SmolLM2's layers, on which the long tail, run on two threads, took a plain decode step
+    21% longer than on gemv; timed at two threads (rows 1-8 or 1-12) it chose gemv for every layer
+    (README, "The tuner's kernels slowed the baseline more than TLT")."""
+    global _decode_threads
+    if any(c < 1 for c in counts):
+        raise ValueError(f"thread counts must be at least 1, not {counts}")
+    _decode_threads = tuple(sorted(set(counts)))
+
+
+def decode_threads() -> tuple[int, ...]:
+    """The thread counts tune() scores at (set_decode_threads; else the calling thread's)."""
+    return _decode_threads or (torch.get_num_threads(),)
+
+
 def _cache_key(shape: tuple[int, int], count: int, dtype: torch.dtype, rows: tuple[int, ...] = TUNE_ROWS) -> str:
     # the model name alone is ambiguous ("AMD EPYC" on both an AVX2 and an AVX-512 part): add the flags
     flags = hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:8]
     # "row-invariant" and the candidates (gemv's build): choices made among other kernels, or
     # before only row-invariant ones were allowed, are not reused
-    return (f"{cpu_name()} [{flags}]|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+    return (f"{cpu_name()} [{flags}]|torch {torch.__version__}|threads {'+'.join(map(str, decode_threads()))}|"
             f"{shape[0]}x{shape[1]}x{count}|{str(dtype).removeprefix('torch.')}|row-invariant|"
             f"{','.join(KERNELS)} {cpu_kernels.build_tag()}"
             + ("" if rows == TUNE_ROWS else f"|rows {','.join(map(str, rows))}"))
@@ -547,11 +572,11 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
 
     Layers are grouped by weight shape and dtype; a group's row-invariant candidates (module doc)
     are timed over the whole group (its weights stream from memory as in a decode step) at each of
-    `rows` (a target's decode steps and verify passes: 1..64; a drafter's steps: DRAFT_ROWS), each
-    row count's time normalised by its best candidate; the lowest total wins unless an
+    `rows` (a target's decode steps and verify passes: 1..64; a drafter's steps: DRAFT_ROWS) and
+    each of decode_threads(), each such time normalised by its best candidate; the lowest total wins unless an
     earlier candidate in KERNELS is within 3% of it (timing noise must not pick a kernel). The
     bulk kernel (`bulk_kernel`) is chosen the same way on one BULK_ROWS-row product per group.
-    A no-op for models already tuned for these rows, on GPUs, for dtypes not in tuned_dtypes() and
+    A no-op for models already tuned for these rows and thread counts, on GPUs, for dtypes not in tuned_dtypes() and
     under TLT_KERNEL (which leaves bulk products on PyTorch's linear).
 
     The first choice made on a machine is every process's (`_tuning_lock`): kernels differ in their
@@ -564,7 +589,7 @@ def tune(model: nn.Module, reps: int = 5, rows: tuple[int, ...] = TUNE_ROWS) -> 
     after waiting up to QUIET_WAIT_S for the crowd to pass (a choice timed in a crowd can be slower:
     delete kernel_cache_path() on a quiet machine to time again).
     """
-    if getattr(model, "_tlt_tuned", None) in (rows, True):  # True: kernels set by hand, kept
+    if getattr(model, "_tlt_tuned", None) in ((rows, decode_threads()), True):  # True: kernels set by hand, kept
         return {}
     layers = [m for m in _linears(model) if not m.weight.is_meta]
     if not layers:
@@ -606,8 +631,8 @@ def _tune_groups(groups: dict[tuple[tuple[int, int], torch.dtype], list["Linear"
             if kernel is None and len(candidates := _candidates(group)) == 1:
                 kernel = fresh[key] = candidates[0]
             elif kernel is None:
-                per_rows = [_time_group(group, candidates, r, reps) for r in rows]
-                score = {k: sum(t[k] / min(t.values()) for t in per_rows) for k in candidates}
+                times = _time_at_threads(group, candidates, rows, reps)
+                score = {k: sum(t[k] / min(t.values()) for t in times) for k in candidates}
                 low = min(score.values())
                 kernel = next(k for k in candidates if score[k] <= low * 1.03)
                 fresh[key] = kernel
@@ -624,8 +649,8 @@ def _tune_groups(groups: dict[tuple[tuple[int, int], torch.dtype], list["Linear"
                     layer._blocked = None
             chosen[f"{shape[0]}x{shape[1]}x{len(group)}"] = kernel
     if fresh:
-        log.info("tuned CPU kernels in %.1f s on %s (%d threads): %s; bulk: %s", time.perf_counter() - t0,
-                 cpu_name(), torch.get_num_threads(), chosen,
+        log.info("tuned CPU kernels in %.1f s on %s (threads %s): %s; bulk: %s", time.perf_counter() - t0,
+                 cpu_name(), "+".join(map(str, decode_threads())), chosen,
                  {f"{o}x{i}": g[0].bulk_kernel for ((o, i), _), g in groups.items()})
         if machine_busy():
             log.warning("the machine was busy while the kernels were timed: cached all the same, so that every "
@@ -633,6 +658,20 @@ def _tune_groups(groups: dict[tuple[tuple[int, int], torch.dtype], list["Linear"
                         kernel_cache_path())
         _write_cache(fresh)
     return chosen
+
+
+def _time_at_threads(group: list[Linear], kernels: tuple[str, ...], rows: tuple[int, ...],
+                     reps: int) -> list[dict[str, float]]:
+    """_time_group at each of `rows` on each of decode_threads(), the calling thread's count restored."""
+    own = torch.get_num_threads()
+    try:
+        times = []
+        for threads in decode_threads():
+            torch.set_num_threads(threads)
+            times += [_time_group(group, kernels, r, reps) for r in rows]
+        return times
+    finally:
+        torch.set_num_threads(own)
 
 
 @contextlib.contextmanager
@@ -685,4 +724,4 @@ def draft_in_bfloat16(model: nn.Module) -> int:
 def _tuned(model: nn.Module, rows: tuple[int, ...]) -> None:
     for f in _fused(model):
         f.active = True
-    model._tlt_tuned = rows  # tuned for these row counts (tune again for others)
+    model._tlt_tuned = (rows, decode_threads())  # tuned for these row and thread counts (tune again for others)
