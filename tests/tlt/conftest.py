@@ -13,6 +13,15 @@ import torch
 os.environ.setdefault("TLT_KERNEL_CACHE", os.path.join(tempfile.mkdtemp(prefix="tlt-test-kernels-"), "kernels.json"))
 
 
+@pytest.fixture(autouse=True)
+def own_decode_threads(monkeypatch):
+    """What a test declares (linear.set_decode_threads: a rollout worker built in-process, a bench
+    run through its CLI) stays in that test: later ones tune at their own thread count."""
+    from workers.tlt.models import linear
+
+    monkeypatch.setattr(linear, "_decode_threads", linear._decode_threads)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models are dominated by per-op overhead: OpenMP hand-offs cost more than the math and

@@ -482,7 +482,6 @@ def test_a_worker_lent_cores_is_tuned_at_each_thread_count_it_decodes_on(kernel_
                 for k in kernels}
 
     monkeypatch.setattr(linear, "_time_group", timed)
-    monkeypatch.setattr(linear, "_decode_threads", ())
     own = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -530,7 +530,6 @@ def test_a_worker_decodes_on_lent_cores_only_for_the_step_they_were_lent_for(mon
         pytest.skip("needs the gemv kernel (thread-invariant by construction)")
     cfg = tiny_cfg(tlt=False)
     policy = Transformer.from_pretrained(prepare_policy_folder(cfg))
-    monkeypatch.setattr(linear, "_decode_threads", ())
     worker = RolloutWorkerImpl(0, policy.config, cfg, max_threads=2)
     assert linear.decode_threads() == (1, 2)  # its kernels are timed for the lent cores too
     worker.load_weights(policy.state_dict(), None)

@@ -69,12 +69,13 @@ def cmd_draft(args: argparse.Namespace) -> int:
     from ..config import preset
     from ..models import cpu_kernels
     from ..models.drafter import Drafter
-    from ..models.linear import cpu_flags, cpu_name, tune
+    from ..models.linear import cpu_flags, cpu_name, set_decode_threads, tune
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
     from ..rollout.engine import SpecPolicy
     from ..rollout.sampling import sampling_params
     from ..rollout.speculative import draft
+    from ..trainer import lendable_cores
 
     if args.depth < 1 or args.drafts < 1 or args.keys < 2:
         raise SystemExit("--depth and --drafts must be at least 1, --keys at least 2")
@@ -82,6 +83,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
         raise SystemExit("our CPU kernels cannot be built here: drafting runs PyTorch's kernels in float32 either way")
     cfg = preset(args.preset)
     target = Transformer.from_pretrained(prepare_policy_folder(cfg)).eval()  # float32
+    set_decode_threads(1, lendable_cores(cfg, "cpu"))  # the thread counts a rollout worker tunes at
     tune(target)
     V, H = target.config.vocab_size, target.config.hidden_size
     ids = list(range(min(cfg.spec.draft_vocab or V, V)))  # which ids does not change a draft's cost

@@ -36,10 +36,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import preset
-    from ..models.linear import cpu_flags, cpu_name, tune
+    from ..models.linear import cpu_flags, cpu_name, set_decode_threads, tune
     from ..models.policies import prepare_policy_folder
     from ..models.transformer import Transformer
-    from ..trainer import resolve_dtype
+    from ..trainer import lendable_cores, resolve_dtype
     from .e2e import parse_overrides
 
     if args.max_tokens < 1 or args.passes < 1 or args.keys < 1:
@@ -48,6 +48,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     cfg = resolve_dtype(preset(args.preset, parse_overrides(args.set)), "cpu")
     dtype = getattr(torch, cfg.model.dtype)
     target = Transformer.from_pretrained(prepare_policy_folder(cfg), dtype=dtype).eval()
+    set_decode_threads(1, lendable_cores(cfg, "cpu"))  # the thread counts a rollout worker tunes at
     tune(target)
     n, V = args.keys, target.config.vocab_size
     S = n + args.max_tokens
