@@ -20,3 +20,22 @@ def test_verify_times_every_token_count_against_a_decode_step(capsys):
     assert list(out["verify_ms"]) == ["1", "2", "3", "4"] and all(ms > 0 for ms in out["verify_ms"].values())
     assert out["ratio_to_decode"]["1"] == 1.0
     assert out["ratio_to_decode"]["4"] == pytest.approx(out["verify_ms"]["4"] / out["verify_ms"]["1"], rel=1e-2)
+
+
+def test_the_decode_check_times_the_tuned_kernels_against_every_other_choice_and_puts_them_back(monkeypatch):
+    from workers.tlt.bench.verify import decode_check
+    from workers.tlt.config import preset
+    from workers.tlt.models import linear
+
+    set_back = []
+    real = linear.set_kernels
+    monkeypatch.setattr(linear, "set_kernels", lambda model, kernels: set_back.append(kernels) or real(model, kernels))
+    check = decode_check(preset("tiny-cpu", {"model": TINY["model"]}), passes=2, keys=12)
+    threads = [str(t) for t in linear.decode_threads()]
+    assert list(check["decode_ms"]) == threads and "1" in threads  # a worker's own thread, and its lent cores
+    for ms in check["decode_ms"].values():
+        assert "tuned" in ms and set(ms) - {"tuned"} <= set(linear.KERNELS)
+        assert len(ms) >= 2 and all(v > 0 for v in ms.values())
+    assert check["tuned_vs_fastest"] == pytest.approx(max(
+        ms["tuned"] / min(v for k, v in ms.items() if k != "tuned") for ms in check["decode_ms"].values()), abs=1e-3)
+    assert isinstance(set_back[-1], list)  # the tuned kernels, put back last

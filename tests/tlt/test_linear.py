@@ -501,6 +501,21 @@ def test_a_worker_lent_cores_is_tuned_at_each_thread_count_it_decodes_on(kernel_
         linear.set_decode_threads(0)
 
 
+def test_kernels_set_by_hand_are_read_set_and_put_back(monkeypatch):
+    """bench verify's decode_check times every layer on one kernel, then puts the tuned ones back."""
+    monkeypatch.setenv("TLT_KERNEL", "linear")
+    model = _model()
+    tune(model)
+    tuned = linear.set_kernels(model, None)  # only read
+    assert tuned == ["linear"] * 3 and linear.set_kernels(model, None) == tuned
+    assert set(linear.model_candidates(model)) <= set(KERNELS) and linear.model_candidates(model)
+    other = next(k for k in KERNELS if k != "linear" and linear.usable(k, torch.float32))
+    assert linear.set_kernels(model, other) == tuned and [m.kernel for m in model] == [other] * 3
+    assert linear.set_kernels(model, tuned) == [other] * 3 and [m.kernel for m in model] == tuned
+    with pytest.raises(ValueError):  # one kernel per layer, or one for all
+        linear.set_kernels(model, ["linear"])
+
+
 def test_a_kernel_that_cannot_run_here_is_never_tuned_or_forced(monkeypatch):
     """Where gemv cannot be built (no C++ compiler) the tuner measures the others only."""
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)

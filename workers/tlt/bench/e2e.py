@@ -32,6 +32,10 @@ step-time ratio is TLT's own effect. It reports
     kernels              per arm and rollout worker, the few-row kernel each policy (and drafter) layer
                          shape decoded with (linear.chosen_kernels): the tuner chooses them per machine,
                          and a choice that favours verify passes slows the baseline's plain decoding
+    decode_check         CPU runs, after the arms: a plain decode step on those kernels against each
+                         kernel the tuner could have given every layer, at each thread count a worker
+                         decodes on (bench verify's decode_check); `tuned_vs_fastest` above FAIR_DECODE
+                         is warned about: the baseline was handicapped
 
 The baseline is the strong one: the same engine and batching (finished rows leave the batch),
 SD and spot training off. Step means skip the first step (one-off warm-up costs). Progress, with
@@ -54,6 +58,7 @@ from .progress import PhaseProgress
 
 log = logging.getLogger("workers.tlt.bench")
 
+FAIR_DECODE = 1.05  # decode_check: a tuned decode step slower than the fastest by more is flagged
 # presets whose e2e runs the static-drafter arm unless told otherwise (it costs a third run)
 STATIC_BY_DEFAULT = {"smollm2-mathmix-cpu"}
 ARMS = {  # arm -> config overrides on top of the preset
@@ -62,6 +67,7 @@ ARMS = {  # arm -> config overrides on top of the preset
     "static": {"run": {"tlt": True}, "drafter": {"spot_training": False}},
 }
 ARM_FILE = "arm.json"  # beside an arm's metrics.jsonl: its setup and wall seconds, and its error if it failed
+CHECK_FILE = "decode_check.json"  # beside the arms' folders: decode_check's figures
 
 
 # --- e2e --------------------------------------------------------------------------------------
@@ -148,7 +154,8 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     import ray
 
     from ..config import load_config, preset
-    from ..trainer import ensure_ray
+    from ..trainer import ensure_ray, resolve_device
+    from .verify import decode_check
 
     if stale := sorted(name for name in ARMS if (out / name).exists()):
         raise SystemExit(f"bench e2e: {out} already holds arms {', '.join(stale)} (a run there would resume "
@@ -186,6 +193,13 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     finally:
         if started:
             ray.shutdown()
+    if resolve_device(base) == "cpu":
+        print("[bench e2e] timing a decode step on the tuned and the other kernels", file=sys.stderr, flush=True)
+        check = decode_check(base)
+        (out / CHECK_FILE).write_text(json.dumps(check))
+        if check["tuned_vs_fastest"] > FAIR_DECODE:
+            log.warning("the baseline decoded on kernels %.0f%% slower than the fastest here (decode_check): this "
+                        "A/B favours TLT", (check["tuned_vs_fastest"] - 1) * 100)
     result = summarize(out, preset_name, warm_skip, arms)
     result.update(loadavg_start=[round(x, 2) for x in load_start], bench_s=round(time.perf_counter() - t_bench, 1))
     return result
@@ -300,6 +314,8 @@ def summarize(out: Path, preset_name: str, warm_skip: int = 1, arms: list[str] |
         result["chain4_last_fifth_tlt"] = round(_fifths(chain4["tlt"])[1], 3)
         result["chain4_last_fifth_static"] = round(_fifths(chain4["static"])[1], 3)
         result["step_s_static"] = _mean(s_rows, "timing_s/step", skip)
+    if (check := out / CHECK_FILE).exists():
+        result["decode_check"] = json.loads(check.read_text())
     return result
 
 

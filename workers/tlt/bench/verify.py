@@ -14,6 +14,9 @@ tokens is verified in a pass of T = d + 1, so the ratio is what SD must beat in 
 (acceptance), before the draft's own cost (`bench draft`). On the CPU's few-row kernel
 (csrc/gemv.cpp) up to 6 rows share each loaded weight (12 with AVX-512): the step from T = 6 to 7
 (13) is a second tile.
+
+`decode_check` (run by `bench e2e`) times a decode step the same way on the tuned kernels and on
+each other kernel the tuner could have chosen.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,44 +40,95 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import preset
-    from ..models.linear import cpu_flags, cpu_name, set_decode_threads, tune
-    from ..models.policies import prepare_policy_folder
-    from ..models.transformer import Transformer
-    from ..trainer import lendable_cores, resolve_dtype
+    from ..models.linear import cpu_flags, cpu_name
     from .e2e import parse_overrides
 
     if args.max_tokens < 1 or args.passes < 1 or args.keys < 1:
         raise SystemExit("--max-tokens, --passes and --keys must be at least 1")
-    # the dtype a CPU run of the preset decodes in
-    cfg = resolve_dtype(preset(args.preset, parse_overrides(args.set)), "cpu")
-    dtype = getattr(torch, cfg.model.dtype)
-    target = Transformer.from_pretrained(prepare_policy_folder(cfg), dtype=dtype).eval()
-    set_decode_threads(1, lendable_cores(cfg, "cpu"))  # the thread counts a rollout worker tunes at
-    tune(target)
-    n, V = args.keys, target.config.vocab_size
-    S = n + args.max_tokens
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, V, (1, S), generator=gen)
-    cache = target.new_cache(1, S)
-    keys = torch.arange(S)
+    target, dtype = _tuned_policy(preset(args.preset, parse_overrides(args.set)))
     Ts = list(range(1, args.max_tokens + 1))
-    times: dict[int, list[float]] = {T: [] for T in Ts}
-    print(f"[bench verify] {args.passes} passes per T, T = 1..{args.max_tokens}, {n} context tokens on "
+    print(f"[bench verify] {args.passes} passes per T, T = 1..{args.max_tokens}, {args.keys} context tokens on "
           f"{torch.get_num_threads()} threads", file=sys.stderr, flush=True)
-    with torch.inference_mode():
-        target(seq[:, :n], torch.arange(n)[None], cache, write_pos=torch.arange(n)[None], logits=False)
-        for i in range(args.passes + 3):
-            for T in (Ts if i % 2 else Ts[::-1]):
-                pos = torch.arange(n, n + T)[None]
-                mask = (keys[None, :n + T] <= pos[0, :, None])[None]  # [1, T, n + T]: a chain after the context
-                t = time.perf_counter()
-                target(seq[:, n:n + T], pos, cache, write_pos=pos, mask=mask)
-                if i >= 3:  # the first passes pack weights and fault pages in
-                    times[T].append(time.perf_counter() - t)
-    ms = {T: statistics.median(v) * 1e3 for T, v in times.items()}
+    ms = time_passes(target, {T: (T, None) for T in Ts}, args.passes, args.keys)
     out = {"bench": "verify", "preset": args.preset, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
-           "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "keys": n,
+           "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "keys": args.keys,
            "passes": args.passes, "verify_ms": {T: round(v, 3) for T, v in ms.items()},
            "ratio_to_decode": {T: round(v / ms[1], 3) for T, v in ms.items()}}
     print(json.dumps(out))
     return 0
+
+
+def _tuned_policy(cfg):
+    """cfg's policy in the dtype a CPU run decodes in, its kernels tuned as a rollout worker tunes them
+    (at the thread counts it decodes on; cached, so the same choice the workers made)."""
+    import torch
+
+    from ..models.linear import set_decode_threads, tune
+    from ..models.policies import prepare_policy_folder
+    from ..models.transformer import Transformer
+    from ..trainer import lendable_cores, resolve_dtype
+
+    cfg = resolve_dtype(cfg, "cpu")
+    dtype = getattr(torch, cfg.model.dtype)
+    target = Transformer.from_pretrained(prepare_policy_folder(cfg), dtype=dtype).eval()
+    set_decode_threads(1, lendable_cores(cfg, "cpu"))
+    tune(target)
+    return target, dtype
+
+
+def time_passes(target, ways: dict[Any, tuple[int, Callable[[], object] | None]], passes: int,
+                keys: int) -> dict[Any, float]:
+    """Median milliseconds of one sequence's pass of T tokens after `keys` context tokens, per way:
+    (T, and a call that readies the model for it, or None). Each pass writes its T tokens after the
+    context (a chain: each sees the context and the tokens before it) and computes their logits, as
+    the engine's verify pass does; T = 1 is a plain decode step. The ways take turns, so all see
+    the same machine, after 3 untimed rounds (they pack weights and fault pages in)."""
+    import torch
+
+    S = keys + max(T for T, _ in ways.values())
+    seq = torch.randint(0, target.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache(1, S)
+    at = torch.arange(S)
+    order = list(ways)
+    times: dict[Any, list[float]] = {w: [] for w in order}
+    with torch.inference_mode():
+        target(seq[:, :keys], at[None, :keys], cache, write_pos=at[None, :keys], logits=False)
+        for i in range(passes + 3):
+            for w in (order if i % 2 else order[::-1]):
+                T, ready = ways[w]
+                if ready is not None:
+                    ready()
+                pos = at[None, keys:keys + T]
+                mask = (at[None, :keys + T] <= pos[0, :, None])[None]  # [1, T, keys + T]
+                t = time.perf_counter()
+                target(seq[:, keys:keys + T], pos, cache, write_pos=pos, mask=mask)
+                if i >= 3:
+                    times[w].append(time.perf_counter() - t)
+    return {w: statistics.median(v) * 1e3 for w, v in times.items()}
+
+
+def decode_check(cfg, passes: int = 20, keys: int = 400) -> dict[str, Any]:
+    """Does plain decoding run on its fastest kernels? An A/B is only as fair as its baseline's kernels
+    (README, "The tuner's kernels slowed the baseline more than TLT"), so `bench e2e` ends by timing
+    a decode step of cfg's policy on the kernels the tuner gave the rollout workers (`tuned`: cached,
+    the same choice) against each kernel it could have given every layer, at each thread count a
+    worker decodes on. Returns {"decode_ms": {threads: {"tuned": ms, kernel: ms, ...}},
+    "tuned_vs_fastest": the largest ratio of the tuned step to the fastest one}."""
+    import torch
+
+    from ..models.linear import decode_threads, model_candidates, set_kernels
+
+    target, _ = _tuned_policy(cfg)
+    tuned = set_kernels(target, None)
+    ways = {"tuned": (1, lambda: set_kernels(target, tuned))}
+    ways.update({k: (1, lambda k=k: set_kernels(target, k)) for k in model_candidates(target)})
+    own, decode_ms = torch.get_num_threads(), {}
+    try:
+        for threads in decode_threads():
+            torch.set_num_threads(threads)
+            decode_ms[str(threads)] = {w: round(ms, 3) for w, ms in time_passes(target, ways, passes, keys).items()}
+    finally:
+        torch.set_num_threads(own)
+        set_kernels(target, tuned)
+    worst = max(ms["tuned"] / min(v for w, v in ms.items() if w != "tuned") for ms in decode_ms.values())
+    return {"decode_ms": decode_ms, "tuned_vs_fastest": round(worst, 3)}

@@ -490,6 +490,27 @@ def chosen_kernels(model: nn.Module) -> dict[str, str]:
     return {f"{o}x{i}x{len(g)}": ",".join(sorted({m.kernel for m in g})) for (o, i), g in groups.items()}
 
 
+def set_kernels(model: nn.Module, kernels: str | list[str] | None) -> list[str]:
+    """Give the model's Linear layers (stacked ones included) few-row `kernels`: one for all, or one
+    each in the order this returns them (None: none, only read them); returns the kernels they had,
+    to put back (bench verify's decode_check). Set only row-invariant ones: see model_candidates."""
+    layers = _linears(model)
+    before = [m.kernel for m in layers]
+    if kernels is not None:
+        for m, k in zip(layers, [kernels] * len(layers) if isinstance(kernels, str) else kernels, strict=True):
+            m.kernel = k
+    return before
+
+
+def model_candidates(model: nn.Module) -> tuple[str, ...]:
+    """The few-row kernels tune() may give every layer of the model on this machine (_candidates)."""
+    groups: dict[tuple[tuple[int, int], torch.dtype], list[Linear]] = defaultdict(list)
+    for m in _linears(model):
+        groups[tuple(m.weight.shape), m.weight.dtype].append(m)
+    each = [set(_candidates(g)) for g in groups.values()]
+    return tuple(k for k in KERNELS if all(k in c for c in each))
+
+
 def invariant_rows(dtype: torch.dtype) -> int:
     """Up to how many rows a few-row kernel must give a row the same bits (module doc)."""
     return MAX_FEW_ROWS if dtype == torch.float32 else BF16_INVARIANT_ROWS
