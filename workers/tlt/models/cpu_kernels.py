@@ -16,8 +16,9 @@ with the bits of the PyTorch ops they replace.
 
 Built with the system's C++ compiler into var/build/ as one translation unit (csrc/kernels.cpp;
 about a minute, once per CPU kind and torch version: -march=native code must never run on another
-CPU), and shared by every process there (torch.utils.cpp_extension locks the build). Where it
-cannot be built the tuner never offers gemv and attention stays on SDPA.
+CPU), and shared by every process there (one builds or loads at a time, under a lock that a killed
+process cannot leave taken). Where it cannot be built the tuner never offers gemv and attention
+stays on SDPA.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import file_lock
 from .policies import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
+BUILD_LOCK = "tlt-build.lock"  # in the build folder: one process builds or loads the kernels at a time (file_lock)
+TORCH_BATON = "lock"  # in the build folder: torch.utils.cpp_extension's lock file (its FileBaton)
 SOURCES = ("kernels.cpp", "gemv.cpp", "dot_bf16.cpp", "attention.cpp", "norm.cpp", "simd.h")  # kernels.cpp includes the others
 
 
@@ -67,11 +71,15 @@ def _extension():
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            log.info("building the CPU kernels for this CPU in %s (about a minute, once)", build)
-        return load(name, [str(CSRC / "kernels.cpp")], build_directory=str(build), verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        with file_lock.held(build / BUILD_LOCK):
+            # torch's own lock is a file that exists while a process builds or loads here, and one
+            # killed meanwhile (a cancelled run) leaves it: every later load would wait on it for
+            # ever. Under our lock no process of ours is loading, so such a file is a leftover.
+            (build / TORCH_BATON).unlink(missing_ok=True)
+            if not any(build.glob("*.so")):
+                log.info("building the CPU kernels for this CPU in %s (about a minute, once)", build)
+            return load(name, [str(CSRC / "kernels.cpp")], build_directory=str(build), verbose=False,
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # a missing compiler or headers: the other kernels still serve
         log.warning("the CPU kernels could not be built (%s: %s); decoding uses PyTorch's kernels",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

@@ -68,7 +68,6 @@ in this package. Set TLT_KERNEL=linear|onednn to force one kernel everywhere (no
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -85,6 +84,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_kernels
+from .. import file_lock
 from .policies import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -695,24 +695,11 @@ def _time_at_threads(group: list[Linear], kernels: tuple[str, ...], rows: tuple[
         torch.set_num_threads(own)
 
 
-@contextlib.contextmanager
 def _tuning_lock():
-    """One process tunes at a time on this machine (an flock beside the kernel cache): the others
-    wait, then read its choices instead of timing their own (tune). Unlocked where the cache's folder
-    cannot be written: then nothing is cached either."""
-    path = kernel_cache_path().with_suffix(".lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fh = path.open("a")
-    except OSError:
-        yield
-        return
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    """One process tunes at a time on this machine: the others wait, then read its choices instead of
+    timing their own (tune). Unlocked where the cache's folder cannot be written: then nothing is
+    cached either."""
+    return file_lock.held(kernel_cache_path().with_suffix(".lock"))
 
 
 def _wait_for_quiet() -> None:
