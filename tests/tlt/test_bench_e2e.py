@@ -8,7 +8,7 @@ import time
 import pytest
 
 from workers.tlt.bench import e2e as e2e_module
-from workers.tlt.bench.e2e import _Eta, amdahl_bound, e2e, parse_overrides, summarize
+from workers.tlt.bench.e2e import _Eta, amdahl_bound, arm_passes, e2e, parse_overrides, summarize
 from workers.tlt.models.linear import KERNELS
 
 # the same tiny shape as test_trainer.py (its SFT'd policy is cached and shared)
@@ -88,10 +88,14 @@ def test_e2e_trains_the_three_arms_and_reports_consistent_figures(tmp_path, monk
     assert set(k) == {"baseline", "tlt", "static"} and all(k[arm] for arm in k)
     assert k["baseline"]["0"]["policy"] == k["tlt"]["0"]["policy"] and k["tlt"]["0"]["policy"]
     assert "drafter" not in k["baseline"]["0"] and k["tlt"]["0"]["drafter"] and k["static"]["0"]["drafter"]
-    # and how a plain decode step ran on them against every kernel the tuner could have chosen instead,
-    # at each thread count a worker decodes on
+    # and how the baseline's passes ran on them against every kernel the tuner could have chosen
+    # instead: a decode step at each thread count a worker decodes on, and each product size it ran
     check = r["decode_check"]
     assert "1" in check["decode_ms"] and check["tuned_vs_fastest"] > 0
+    ran = arm_passes(tmp_path / "baseline")
+    assert ran and all(set(check["pass_ms"][t]) == set(by_rows) | {"1"} for t, by_rows in ran.items())
+    assert check["tuned_vs_fastest"] == pytest.approx(
+        check["profile_s"]["tuned"] / min(v for w, v in check["profile_s"].items() if w != "tuned"), abs=1e-3)
     for ms in check["decode_ms"].values():
         assert "tuned" in ms and len(ms) >= 2 and all(v > 0 for v in ms.values())
         assert set(ms) - {"tuned"} <= set(KERNELS)

@@ -39,3 +39,23 @@ def test_the_decode_check_times_the_tuned_kernels_against_every_other_choice_and
     assert check["tuned_vs_fastest"] == pytest.approx(max(
         ms["tuned"] / min(v for k, v in ms.items() if k != "tuned") for ms in check["decode_ms"].values()), abs=1e-3)
     assert isinstance(set_back[-1], list)  # the tuned kernels, put back last
+
+
+def test_the_decode_check_weighs_each_kernel_by_the_passes_the_baseline_ran():
+    # on AMX gemv leads at one row and oneDNN from two: a decode step alone cannot say which the
+    # baseline needed, the sizes of the products it ran can
+    from workers.tlt.bench.verify import decode_check
+    from workers.tlt.config import preset
+    from workers.tlt.models.linear import MAX_FEW_ROWS
+
+    profile = {"1": {"1": 30, "3": 10, str(MAX_FEW_ROWS + 1): 4}, "2": {"2": 5}}
+    check = decode_check(preset("tiny-cpu", {"model": TINY["model"]}), profile, passes=2, keys=12)
+    ms = check["pass_ms"]
+    assert set(ms["1"]) == {"1", "3"}  # a product of more rows takes the bulk kernel, whichever few-row one
+    assert set(ms["2"]) == {"1", "2"} and check["decode_ms"]["2"] == ms["2"]["1"]
+    assert set(check["profile_s"]) == set(ms["1"]["1"]) and "tuned" in check["profile_s"]
+    for way, seconds in check["profile_s"].items():
+        assert seconds == pytest.approx((30 * ms["1"]["1"][way] + 10 * ms["1"]["3"][way] + 5 * ms["2"]["2"][way]) / 1e3,
+                                        abs=2e-3)
+    assert check["tuned_vs_fastest"] == pytest.approx(
+        check["profile_s"]["tuned"] / min(s for w, s in check["profile_s"].items() if w != "tuned"), abs=2e-3)

@@ -429,6 +429,25 @@ def test_the_tail_share_and_the_arm_timeline_are_measured_and_merge_per_worker(m
     assert hand.tail_time_frac == pytest.approx(0.8)
 
 
+def test_every_target_pass_is_booked_at_its_thread_count_and_product_rows(model, drafters):
+    # bench e2e's decode_check weighs the kernels by where the baseline's products ran
+    threads = str(torch.get_num_threads())
+    plain = generate(model, _prompts(8), GREEDY, max_new_tokens=24, eos_ids=EOS).metrics
+    (at,) = plain.passes_by_rows.values()
+    assert list(plain.passes_by_rows) == [threads]
+    assert sum(at.values()) == max(plain.lengths) - 1  # one pass per token after the prefill's
+    assert max(map(int, at)) <= 8 and min(map(int, at)) >= 1  # the batch, then fewer as rows finish
+    # every token after a row's first (the prefill's) came from a pass over a product holding that row
+    assert sum(int(r) * n for r, n in at.items()) >= sum(plain.lengths) - 8
+    alone = generate(model, _prompts(1), GREEDY, max_new_tokens=24, eos_ids=EOS, drafter=drafters["noisy"],
+                     spec=SpecPolicy(arm="d4k1v4")).metrics
+    assert alone.passes_by_rows == {threads: {"5": alone.verify_passes}}  # a root and 4 drafted tokens each
+    merged = RolloutMetrics.merge([plain, alone], [0.0, 0.0])
+    assert merged.passes_by_rows == {threads: {**at, "5": at.get("5", 0) + alone.verify_passes}}
+    assert merged.series()["rollout/passes_by_rows"] == merged.passes_by_rows
+    assert RolloutMetrics.from_dict(json.loads(json.dumps(merged.to_dict()))).passes_by_rows == merged.passes_by_rows
+
+
 @pytest.mark.parametrize("kernel", linear.KERNELS)
 def test_a_worker_taking_more_threads_mid_rollout_decodes_the_same_bits(smollm2_shaped, kernel):
     # rollout workers take a finished peer's core mid-rollout (rollout.lend_idle_cores), at a moment

@@ -105,6 +105,7 @@ SERIES_KEYS = {
     "rollout/prompt_lengths": "[{prompt: text hash, text, lengths: [int]}]: each prompt's sample lengths",
     "rollout/logprob_mismatch_hist": "{edges: [0, 1e-7, ..., 10, None], counts}: |rollout - learner log-prob| per token",
     "spec/arm_timeline": "[{worker, t: [s], arm: [label]}]: the SD arm in force over rollout time (at each change)",
+    "rollout/passes_by_rows": "{threads: {rows: passes}}: target passes by thread count and rows in their products",
     "idle/timeline": "[{worker: int, segments: [[kind, start_s, end_s]]}], kind in generate|idle|drafter",
     "rollout/samples": "[{sample, prompt, tokens: [str], from_draft: [0|1], reward, length, truncated}]: "
                        "a few of the step's responses (rollout/samples.py)",

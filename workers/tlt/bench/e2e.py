@@ -32,10 +32,11 @@ step-time ratio is TLT's own effect. It reports
     kernels              per arm and rollout worker, the few-row kernel each policy (and drafter) layer
                          shape decoded with (linear.chosen_kernels): the tuner chooses them per machine,
                          and a choice that favours verify passes slows the baseline's plain decoding
-    decode_check         CPU runs, after the arms: a plain decode step on those kernels against each
-                         kernel the tuner could have given every layer, at each thread count a worker
-                         decodes on (bench verify's decode_check); `tuned_vs_fastest` above FAIR_DECODE
-                         is warned about: the baseline was handicapped
+    decode_check         CPU runs, after the arms: the baseline's few-row passes (rollout/passes_by_rows:
+                         how many at each thread count and product size) timed on those kernels against
+                         each kernel the tuner could have given every layer (bench verify's
+                         decode_check); `tuned_vs_fastest` above FAIR_DECODE is warned about: the
+                         baseline was handicapped
 
 The baseline is the strong one: the same engine and batching (finished rows leave the batch),
 SD and spot training off. Step means skip the first step (one-off warm-up costs). Progress, with
@@ -58,7 +59,8 @@ from .progress import PhaseProgress
 
 log = logging.getLogger("workers.tlt.bench")
 
-FAIR_DECODE = 1.05  # decode_check: a tuned decode step slower than the fastest by more is flagged
+FAIR_DECODE = 1.05  # decode_check: the baseline's passes slower on the tuned kernels than on the fastest by more: flagged
+CHECK_PASSES = 12  # decode_check's timed passes per product size (a baseline ran up to ~20 sizes per thread count)
 # presets whose e2e runs the static-drafter arm unless told otherwise (it costs a third run)
 STATIC_BY_DEFAULT = {"smollm2-mathmix-cpu"}
 ARMS = {  # arm -> config overrides on top of the preset
@@ -195,14 +197,23 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
             ray.shutdown()
     if resolve_device(base) == "cpu":
         print("[bench e2e] timing a decode step on the tuned and the other kernels", file=sys.stderr, flush=True)
-        check = decode_check(base)
+        check = decode_check(base, arm_passes(out / "baseline"), passes=CHECK_PASSES)
         (out / CHECK_FILE).write_text(json.dumps(check))
         if check["tuned_vs_fastest"] > FAIR_DECODE:
-            log.warning("the baseline decoded on kernels %.0f%% slower than the fastest here (decode_check): this "
+            log.warning("the baseline's passes ran %.0f%% slower on its kernels than on the fastest here (decode_check): this "
                         "A/B favours TLT", (check["tuned_vs_fastest"] - 1) * 100)
     result = summarize(out, preset_name, warm_skip, arms)
     result.update(loadavg_start=[round(x, 2) for x in load_start], bench_s=round(time.perf_counter() - t_bench, 1))
     return result
+
+
+def arm_passes(folder: Path) -> dict[str, dict[str, int]]:
+    """The target passes an arm's rollouts ran over all its steps, {threads: {rows: passes}}."""
+    from ..rollout.engine import sum_passes
+
+    path = folder / "metrics.jsonl"
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if path.exists() else ()
+    return sum_passes([r["series"].get("rollout/passes_by_rows", {}) for r in rows if "series" in r])
 
 
 def arm_rows(folder: Path) -> list[dict[str, float]]:

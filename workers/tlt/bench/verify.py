@@ -107,28 +107,50 @@ def time_passes(target, ways: dict[Any, tuple[int, Callable[[], object] | None]]
     return {w: statistics.median(v) * 1e3 for w, v in times.items()}
 
 
-def decode_check(cfg, passes: int = 20, keys: int = 400) -> dict[str, Any]:
+def decode_check(cfg, profile: dict[str, dict[str, int]] | None = None, passes: int = 20,
+                 keys: int = 400) -> dict[str, Any]:
     """Does plain decoding run on its fastest kernels? An A/B is only as fair as its baseline's kernels
     (README, "The tuner's kernels slowed the baseline more than TLT"), so `bench e2e` ends by timing
-    a decode step of cfg's policy on the kernels the tuner gave the rollout workers (`tuned`: cached,
-    the same choice) against each kernel it could have given every layer, at each thread count a
-    worker decodes on. Returns {"decode_ms": {threads: {"tuned": ms, kernel: ms, ...}},
-    "tuned_vs_fastest": the largest ratio of the tuned step to the fastest one}."""
+    cfg's policy on the kernels the tuner gave the rollout workers (`tuned`: cached, the same choice)
+    against each kernel it could have given every layer, at each thread count a worker decodes on:
+    a decode step (T = 1), and a pass of T = r tokens for each product size r of at most
+    MAX_FEW_ROWS rows in `profile` ({threads: {rows: passes}}, the baseline's RolloutMetrics.
+    passes_by_rows; larger products take the bulk kernel whatever the few-row one). A pass of r
+    tokens of one sequence stands in for a step of r sequences: the same products, attention aside.
+
+    Returns {"decode_ms": {threads: {"tuned": ms, kernel: ms, ...}} (T = 1), "pass_ms": {threads:
+    {rows: {...}}}, and "tuned_vs_fastest": with a profile, the baseline's few-row passes timed on
+    the tuned kernels over the same passes on the fastest single kernel ("profile_s": the seconds
+    each would have taken); without one, the largest such ratio of a decode step}. Where a CPU's
+    kernels rank differently by rows (AMX: gemv leads at one row, oneDNN from two), only the
+    profile says which the baseline needed."""
     import torch
 
-    from ..models.linear import decode_threads, model_candidates, set_kernels
+    from ..models.linear import MAX_FEW_ROWS, decode_threads, model_candidates, set_kernels
 
     target, _ = _tuned_policy(cfg)
     tuned = set_kernels(target, None)
-    ways = {"tuned": (1, lambda: set_kernels(target, tuned))}
-    ways.update({k: (1, lambda k=k: set_kernels(target, k)) for k in model_candidates(target)})
-    own, decode_ms = torch.get_num_threads(), {}
+    readies = {"tuned": lambda: set_kernels(target, tuned)}
+    readies.update({k: (lambda k=k: set_kernels(target, k)) for k in model_candidates(target)})
+    few = {str(t): {str(r): int(n) for r, n in by_rows.items() if int(r) <= MAX_FEW_ROWS}
+           for t, by_rows in (profile or {}).items()}
+    own, pass_ms = torch.get_num_threads(), {}
     try:
-        for threads in decode_threads():
-            torch.set_num_threads(threads)
-            decode_ms[str(threads)] = {w: round(ms, 3) for w, ms in time_passes(target, ways, passes, keys).items()}
+        for threads in sorted({str(t) for t in decode_threads()} | set(few), key=int):
+            torch.set_num_threads(int(threads))
+            rows = sorted({1, *map(int, few.get(threads, {}))})
+            ms = time_passes(target, {(w, r): (r, ready) for w, ready in readies.items() for r in rows}, passes, keys)
+            pass_ms[threads] = {str(r): {w: round(ms[w, r], 3) for w in readies} for r in rows}
     finally:
         torch.set_num_threads(own)
         set_kernels(target, tuned)
-    worst = max(ms["tuned"] / min(v for w, v in ms.items() if w != "tuned") for ms in decode_ms.values())
-    return {"decode_ms": decode_ms, "tuned_vs_fastest": round(worst, 3)}
+    out: dict[str, Any] = {"decode_ms": {t: by_rows["1"] for t, by_rows in pass_ms.items()}, "pass_ms": pass_ms}
+    if any(n for by_rows in few.values() for n in by_rows.values()):
+        out["profile_s"] = {w: round(sum(n * pass_ms[t][r][w] for t, by_rows in few.items()
+                                         for r, n in by_rows.items()) / 1e3, 3) for w in readies}
+        out["tuned_vs_fastest"] = round(out["profile_s"]["tuned"] / min(
+            s for w, s in out["profile_s"].items() if w != "tuned"), 3)
+    else:
+        out["tuned_vs_fastest"] = round(max(ms["tuned"] / min(v for w, v in ms.items() if w != "tuned")
+                                            for ms in out["decode_ms"].values()), 3)
+    return out

@@ -186,6 +186,17 @@ class SpecPolicy:
                               window=self.window, seed=seed)
 
 
+def sum_passes(profiles: Sequence[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """RolloutMetrics.passes_by_rows of several rollouts or workers added up."""
+    out: dict[str, dict[str, int]] = {}
+    for profile in profiles:
+        for threads, by_rows in profile.items():
+            at = out.setdefault(str(threads), {})
+            for rows, passes in by_rows.items():
+                at[str(rows)] = at.get(str(rows), 0) + int(passes)
+    return out
+
+
 def _tokens_per_pass(hist: Sequence[int]) -> float:
     """Tokens a verify pass emits on average, from row-passes by number of draft tokens accepted."""
     n = sum(hist)
@@ -221,6 +232,9 @@ class RolloutMetrics:
     tail_s_no_sd: float = 0.0
     tail_wall_s: float = 0.0  # decode time in the tail (merged: the longest worker's)
     borrowed_s: float = 0.0  # decode time on more threads than the rollout began with (cores lent by peers)
+    # target passes by thread count and rows in their products, {threads: {rows: passes}} (str keys, as
+    # JSON keeps them): where the rollout's products ran, which kernels must be fast at (bench e2e's decode_check)
+    passes_by_rows: dict[str, dict[str, int]] = field(default_factory=dict)
     draft_vocab_coverage: float = -1.0  # share of emitted tokens inside the reduced draft vocabulary (-1: none)
     # the arm in force over rollout time, [[t_s, arm label], ...] at each change, one list per worker
     arm_timeline: list[list[tuple[float, str]]] = field(default_factory=lambda: [[]])
@@ -237,6 +251,11 @@ class RolloutMetrics:
         if arm:
             counts = self.strategy.setdefault(bucket, {})
             counts[arm] = counts.get(arm, 0) + 1
+
+    def count_pass(self, threads: int, rows: int) -> None:
+        """Book one target pass of `rows` rows (sequences x tokens each) on `threads` threads."""
+        at = self.passes_by_rows.setdefault(str(threads), {})
+        at[str(rows)] = at.get(str(rows), 0) + 1
 
     @property
     def acceptance_length(self) -> float:
@@ -336,6 +355,7 @@ class RolloutMetrics:
                 dst = m.strategy.setdefault(bucket, {})
                 for arm, count in arms.items():
                     dst[arm] = dst.get(arm, 0) + int(count)
+        m.passes_by_rows = sum_passes([p.passes_by_rows for p in parts])
         for key in ("tail_tokens_sd", "tail_s_sd", "tail_tokens_no_sd", "tail_s_no_sd", "borrowed_s"):
             setattr(m, key, sum(getattr(p, key) for p in parts))
         m.tail_wall_s = max((p.tail_wall_s for p in parts), default=0.0)
@@ -387,6 +407,7 @@ class RolloutMetrics:
                                 "sd": [int(s) for _, _, s in self.running]},
             "spec/accept_by_position": self.accept_by_position,
             "spec/strategy": self.strategy,
+            "rollout/passes_by_rows": self.passes_by_rows,
             "spec/arm_timeline": [{"worker": i, "t": [round(t, 4) for t, _ in w], "arm": [a for _, a in w]}
                                   for i, w in enumerate(self.arm_timeline)],
         }
@@ -654,6 +675,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
                 m.count_tail(emitted, dt, sd_on)
         if sd_on:
             m.verify_passes += 1
+        m.count_pass(cores, B * T)
         if cores > own_threads:
             m.borrowed_s += dt
 
