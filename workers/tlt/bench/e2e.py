@@ -196,7 +196,7 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
         if started:
             ray.shutdown()
     if resolve_device(base) == "cpu":
-        print("[bench e2e] timing a decode step on the tuned and the other kernels", file=sys.stderr, flush=True)
+        print("[bench e2e] timing the baseline's passes on the tuned and the other kernels (decode_check)", file=sys.stderr, flush=True)
         check = decode_check(base, arm_passes(out / "baseline"), passes=CHECK_PASSES)
         (out / CHECK_FILE).write_text(json.dumps(check))
         if check["tuned_vs_fastest"] > FAIR_DECODE:

@@ -15,8 +15,8 @@ tokens is verified in a pass of T = d + 1, so the ratio is what SD must beat in 
 (csrc/gemv.cpp) up to 6 rows share each loaded weight (12 with AVX-512): the step from T = 6 to 7
 (13) is a second tile.
 
-`decode_check` (run by `bench e2e`) times a decode step the same way on the tuned kernels and on
-each other kernel the tuner could have chosen.
+`decode_check` (run by `bench e2e`) times the same way, on the tuned kernels and on each other kernel
+the tuner could have chosen, a decode step and passes of every size the baseline's rollouts ran.
 """
 
 from __future__ import annotations
