@@ -67,7 +67,6 @@ in this package. Set TLT_KERNEL=linear|onednn to force one kernel everywhere (no
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
