@@ -207,22 +207,24 @@ def e2e(preset_name: str, steps: int | None, out: Path, overrides: dict[str, dic
     return result
 
 
+def _arm_records(folder: Path) -> list[dict[str, Any]]:
+    """The step records an arm's run logged (metrics.jsonl; none where it logged nothing)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def arm_passes(folder: Path) -> dict[str, dict[str, int]]:
     """The target passes an arm's rollouts ran over all its steps, {threads: {rows: passes}}."""
     from ..rollout.engine import sum_passes
 
-    path = folder / "metrics.jsonl"
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if path.exists() else ()
-    return sum_passes([r["series"].get("rollout/passes_by_rows", {}) for r in rows if "series" in r])
+    return sum_passes([r["series"].get("rollout/passes_by_rows", {}) for r in _arm_records(folder) if "series" in r])
 
 
 def arm_rows(folder: Path) -> list[dict[str, float]]:
     """An arm's scalars per step, as its run logged them (metrics.jsonl): what a failed arm finished counts."""
-    path = folder / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return [r["scalars"] for r in rows if "scalars" in r]
+    return [r["scalars"] for r in _arm_records(folder) if "scalars" in r]
 
 
 def summarize(out: Path, preset_name: str, warm_skip: int = 1, arms: list[str] | None = None) -> dict[str, Any]:
