@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from workers.tlt.bench.coupling import agreements, inverse_cdf_agreement, runner_up, second_candidates
-from workers.tlt.rollout.sampling import sample, sample_keys, uniforms
+from workers.tlt.rollout.sampling import draw, sample, sample_keys
 
 P = torch.tensor([[0.3, 0.6, 0.1]], dtype=torch.float64)
 Q = torch.tensor([[0.1, 0.6, 0.3]], dtype=torch.float64)
 
 
-def test_the_exact_agreement_is_what_the_product_sampler_does_at_shared_uniforms():
+def test_the_exact_inverse_cdf_agreement_is_what_the_inverse_cdf_sampler_does_at_shared_uniforms():
     B = 200_000
-    u = uniforms(sample_keys(11, B), torch.zeros(B, 1, dtype=torch.long))[:, 0]
+    u = torch.rand(B, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     same = float((sample(P.float().expand(B, 3), u) == sample(Q.float().expand(B, 3), u)).double().mean())
     ids = torch.arange(3)[None]
     exact = float(inverse_cdf_agreement(P, Q, ids, ids)[0])
@@ -26,6 +26,18 @@ def test_the_figures_order_as_couplings_must():
     assert got["maximal"] == pytest.approx(0.8) and got["keyed_argmax_first"] == pytest.approx(0.8)
     assert got["greedy_draft"] == pytest.approx(0.6) and got["p_max"] == pytest.approx(0.6)
     assert got["keyed_inverse_cdf"] <= got["gumbel"] + 0.03 and got["gumbel"] <= got["maximal"] + 0.03
+    # three tokens all race one by one: the product's race is the Gumbel coupling itself
+    assert got["race"] == pytest.approx(got["gumbel"], abs=0.03) and got["race"] > got["keyed_inverse_cdf"]
+
+
+def test_the_race_figure_is_what_the_product_sampler_draws_from_each_distribution():
+    from workers.tlt.bench.coupling import race_agreement
+
+    keys = sample_keys(5, 4000).view(2, 2000)
+    pos = torch.zeros(2000, dtype=torch.long)
+    got = race_agreement(P.expand(2000, 3), Q.expand(2000, 3), keys)
+    by_hand = sum((draw(P.expand(2000, 3), k, pos) == draw(Q.expand(2000, 3), k, pos)).double() for k in keys) / 2
+    assert torch.equal(got, by_hand) and 0.6 < float(got.mean()) < 0.8
 
 
 def test_the_runner_up_catches_the_draws_a_shifted_interval_moves_and_the_likeliest_token_does_not():
@@ -35,6 +47,9 @@ def test_the_runner_up_catches_the_draws_a_shifted_interval_moves_and_the_likeli
     assert float(figures["keyed_or_runner_up"][0]) == pytest.approx(1.0)
     assert float(figures["keyed_or_likeliest"][0]) == pytest.approx(0.8, abs=0.02)
     assert calib.shape == (4000, 4) and float(calib[:, 1].mean()) == pytest.approx(0.6, abs=0.02)
+    # the race's draw and q's likeliest other token miss p's draw only where p draws 0 and q raced 1 or 2
+    # (the pair is then 1 and 2), or p draws 2 and q raced 0 (the pair 0 and 1): ~0.8 by simulation
+    assert 0.75 < float(figures["race_or_likeliest"][0]) < 0.85
 
 
 def test_the_spot_curve_measures_a_trained_copy_and_leaves_the_warmed_drafter_alone():
@@ -53,8 +68,10 @@ def test_the_spot_curve_measures_a_trained_copy_and_leaves_the_warmed_drafter_al
             answers.append((toks, target(toks[None]).hidden[0].to(torch.float16), 4))
     drafter = Drafter.for_target(target, seed=0)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    cfg = preset("tiny-cpu", {"drafter": {"batch_tokens": 64, "spot_max_epochs": 4}, "rollout": {"temperature": 1.0}})
-    start = keyed_agreement(target, drafter, answers, None, 1.0)
+    # scored sharp (T = 0.1): at T = 1 this random target's distributions are so flat that any drafter's
+    # race agrees with it ~92% of the time, trained or not
+    cfg = preset("tiny-cpu", {"drafter": {"batch_tokens": 64, "spot_max_epochs": 4}, "rollout": {"temperature": 0.1}})
+    start = keyed_agreement(target, drafter, answers, None, 0.1)
     curve = spot_curve(target, drafter, cfg, [answers] * 3, answers, None, lr=1e-2, optimizer=None)
     assert len(curve) == 3 and all(0.0 < a <= 1.0 for a in [start, *curve])
     assert curve[-1] > start + 0.05  # trained on the very answers it is scored on: it must fit them better

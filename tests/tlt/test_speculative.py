@@ -9,7 +9,8 @@ import torch
 
 from workers.tlt.models.drafter import Drafter
 from workers.tlt.models.transformer import ModelConfig, Transformer, causal_mask, init_weights
-from workers.tlt.rollout.sampling import SamplingParams, process, sample, sample_keys, token_logprobs, uniforms
+from workers.tlt.rollout import sampling
+from workers.tlt.rollout.sampling import SamplingParams, draw, process, sample, sample_keys, token_logprobs
 from workers.tlt.rollout.speculative import (Tree, ancestors, catch_up, chain_tree, draft, ngram_propose, tree_from_pool,
                                      tree_mask, walk)
 
@@ -72,19 +73,56 @@ def test_tree_walk_is_exactly_the_target_law():
     assert max(abs(acc[s] - ref[s]) for s in ref) < 1e-6
 
 
-def test_keyed_inverse_cdf_draws_follow_the_distribution_and_depend_only_on_key_and_position():
+def test_inverse_cdf_draws_follow_the_distribution_and_sample_keys_extend_with_the_count():
     p = _norm(torch.tensor([0.3, 0.0, 0.05, 0.65]))
     B = 200_000
-    keys = sample_keys(7, B)
-    u = uniforms(keys, torch.zeros(B, 1, dtype=torch.long))[:, 0]
-    x = sample(p.expand(B, V), u)
+    x = sample(p.expand(B, V), torch.rand(B, generator=torch.Generator().manual_seed(7), dtype=torch.float64))
     freq = torch.bincount(x, minlength=V).double() / B
     assert (freq - p).abs().max() < 0.005 and freq[1] == 0  # ~4.5 sigma; zero mass is never drawn
-    # the uniform of (key, position) is the same whatever else is computed alongside it
-    pos = torch.tensor([[3, 9], [4, 1]])
-    assert torch.equal(uniforms(keys[:2], pos)[0, 1], uniforms(keys[:1], torch.tensor([[9]]))[0, 0])
-    assert not torch.equal(uniforms(keys[:2], pos)[0], uniforms(keys[1:3], pos)[0])  # other samples differ
     assert torch.equal(sample_keys(7, 5), sample_keys(7, 9)[:5]) and not torch.equal(sample_keys(7, 5), sample_keys(8, 5))
+
+
+@pytest.mark.parametrize("racers", [2, 64])  # the block of the other tokens wins often / the head is everything
+def test_keyed_race_draws_follow_the_distribution_and_depend_only_on_key_and_position(monkeypatch, racers):
+    monkeypatch.setattr(sampling, "RACE_TOKENS", racers)
+    g = torch.Generator().manual_seed(3)
+    p = _norm(torch.rand(12, generator=g) ** 2)
+    p[[1, 5, 8]] = 0.0  # zero mass is never drawn, inside the head or in the block
+    p = _norm(p)
+    B = 200_000
+    keys = sample_keys(7, B)
+    x = draw(p.expand(B, 12), keys, torch.zeros(B, dtype=torch.long))
+    freq = torch.bincount(x, minlength=12).double() / B
+    assert (freq - p).abs().max() < 0.005 and freq[[1, 5, 8]].sum() == 0  # ~4.5 sigma
+    # the draw of (key, position) is the same in any batch and shape, next to any other rows and positions
+    probs = torch.stack([p, _norm(p ** 3)])[None].expand(4, 2, 12)  # [B, J, V]
+    pos = torch.tensor([[3, 9]] * 4)
+    both = draw(probs, keys[:4], pos)
+    assert torch.equal(both[1:3, 1], draw(probs[1:3, 1], keys[1:3], pos[1:3, 1]))
+    assert torch.equal(both[:, 0], draw(probs[:, 0, None], keys[:4], pos[:, :1])[:, 0])
+    # another key or another position races with other noise
+    many = draw(p.expand(64, 12), keys[:64], torch.zeros(64, dtype=torch.long))
+    assert not torch.equal(many, draw(p.expand(64, 12), keys[64:128], torch.zeros(64, dtype=torch.long)))
+    assert not torch.equal(many, draw(p.expand(64, 12), keys[:64], torch.ones(64, dtype=torch.long)))
+
+
+def test_a_subset_distribution_races_with_its_tokens_own_noise():
+    """A drafter over a reduced vocabulary (ids) draws what it would draw over the whole vocabulary
+    with zero mass outside it, so its draws agree with the target's exactly where both race alike."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([0, 2, 3, 7, 9, 40, 41, 63])
+    q_sub = _norm(torch.rand(len(ids), generator=g) ** 2)
+    q_full = torch.zeros(64).index_copy_(0, ids, q_sub)
+    B = 5000
+    keys = sample_keys(9, B)
+    pos = torch.full((B,), 17)
+    assert torch.equal(ids[draw(q_sub.expand(B, -1), keys, pos, ids)], draw(q_full.expand(B, -1), keys, pos))
+    # a target close to q agrees with q's draws more than id-order inverse CDFs do, and as often as the race predicts
+    p = _norm(q_full + 0.02 * torch.rand(64, generator=g))
+    race = float((draw(p.expand(B, -1), keys, pos) == ids[draw(q_sub.expand(B, -1), keys, pos, ids)]).double().mean())
+    u = torch.rand(B, generator=g, dtype=torch.float64)
+    keyed = float((sample(p.expand(B, -1), u) == sample(q_full.expand(B, -1), u)).double().mean())
+    assert race > keyed + 0.1 and race <= float(torch.minimum(p, q_full).sum()) + 0.02
 
 
 def test_token_logprobs_score_the_processed_distribution_and_keep_sampled_tokens():

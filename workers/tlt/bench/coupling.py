@@ -13,23 +13,29 @@ The preset's policy answers held-out prompts of its task (as the drafter warm-up
 at every response position the target's distribution p and the warmed-up drafter's q (the product's
 recipe, cached; its reduced draft vocabulary) are compared, at each temperature, under
 
-    keyed_inverse_cdf  the product's rule: F^{-1}(u) of each in token-id order at one shared u
-                       (sampling.py; SD token for token identical to plain sampling)
+    race               the product's rule: the keyed race of each (sampling.draw: the likeliest
+                       tokens one by one with shared noise, the rest as one block; SD token for token
+                       identical to plain sampling)
+    keyed_inverse_cdf  the rule until then: F^{-1}(u) of each in token-id order at one shared u
     keyed_argmax_first the same with each distribution's most likely token first (tried: lower)
-    gumbel             argmax(log p + g) = argmax(log q + g) at shared Gumbel noise g (token-identical
-                       too, but ~1.3 ms of noise per row and position over a 49k vocabulary)
+    gumbel             argmax(log p + g) = argmax(log q + g) at shared Gumbel noise g over the whole
+                       vocabulary (what the race approximates with a block for the unlikely tokens)
     maximal            sum min(p, q): standard speculative sampling's rejection rule (the most any
                        coupling gives; lossless in distribution only, not token for token)
     greedy_draft       p(argmax q): a drafter that proposes its argmax, accepted by the keyed rule
     keyed_or_runner_up the target's draw is the drafter's keyed draw or its runner-up, the neighbour
                        across the nearer edge of its CDF interval (a tree's second child under sampling)
     keyed_or_likeliest the same with the drafter's likeliest other token as the second candidate
+    race_or_likeliest  the race's draws, the drafter's likeliest other token second (the product's tree)
 
-and `p_max` is E[max p]. Exact for the inverse-CDF rules and `maximal`; Monte Carlo (`--gumbel-draws`
-uniforms or noises per position) for gumbel and the pairs. `runner_up_by_gap` splits the draws at
+`p_max` is E[max p], and `race_block_mass` the mass of p outside its RACE_TOKENS likeliest tokens
+(how often the race's block of unlikely tokens wins). Exact for the inverse-CDF rules and `maximal`; Monte Carlo (`--gumbel-draws`
+uniforms or noises per position) for the race, gumbel and the pairs. `runner_up_by_gap` splits the draws at
 the preset's temperature by how far u sits from the keyed draw's nearer interval edge, as a fraction
 of the mass: how often the target drew the keyed draw, the runner-up and the likeliest other token.
-`--draft-temperatures` scores the drafter's keyed draws from its q at other temperatures (the target
+"Keyed agreement" below is the product's rule, the race (`keyed_agreement`: KEYED_DRAWS races per
+position, the same keys for every drafter it scores); figures measured before the race (README)
+are the inverse-CDF rule's. `--draft-temperatures` scores the drafter's keyed draws from its q at other temperatures (the target
 at the preset's) at draft steps 1 and 2: any proposal is verified against the target's own draw.
 `by_position` splits the keyed agreement at the preset's temperature by response position; with
 `--held-out-tokens` (the rollout's 1024, say) the held-out answers run past the warm-up's cap, where
@@ -63,6 +69,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..rollout.sampling import RACE_TOKENS, draw, sample
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +116,18 @@ def _argmax_first(x: Tensor) -> Tensor:
     return torch.cat([top, ids[ids != top].view(x.shape[0], V - 1)], 1)
 
 
+def _keys(n: int, draws: int, gen: torch.Generator) -> Tensor:
+    """[draws, n] random sample keys: one race per position and draw."""
+    return torch.randint(-(1 << 63), (1 << 63) - 1, (draws, n), generator=gen)
+
+
+def race_agreement(p: Tensor, q: Tensor, keys: Tensor) -> Tensor:
+    """How often the product's keyed race (sampling.draw) draws the same token from p and q [N, V],
+    per row, over one race per key in keys [draws, N]."""
+    pos = torch.zeros(p.shape[0], dtype=torch.long)
+    return sum((draw(p, k, pos) == draw(q, k, pos)).double() for k in keys) / keys.shape[0]
+
+
 def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) -> dict[str, Tensor]:
     """Per-row figures (module doc) for target distributions p and drafter distributions q [N, V] (float64)."""
     ids = torch.arange(p.shape[1]).expand_as(p)
@@ -116,10 +136,12 @@ def agreements(p: Tensor, q: Tensor, gumbel_draws: int, gen: torch.Generator) ->
     for _ in range(gumbel_draws):
         g = -torch.log(-torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64).clamp(1e-300, 1 - 1e-16)))
         gumbel += ((lp + g).argmax(1) == (lq + g).argmax(1)).double() / gumbel_draws
-    return {"keyed_inverse_cdf": inverse_cdf_agreement(p, q, ids, ids),
+    return {"race": race_agreement(p, q, _keys(p.shape[0], gumbel_draws, gen)),
+            "keyed_inverse_cdf": inverse_cdf_agreement(p, q, ids, ids),
             "keyed_argmax_first": inverse_cdf_agreement(p, q, _argmax_first(p), _argmax_first(q)),
             "gumbel": gumbel, "maximal": torch.minimum(p, q).sum(1),
-            "greedy_draft": p.gather(1, q.argmax(1, keepdim=True))[:, 0], "p_max": p.max(1).values}
+            "greedy_draft": p.gather(1, q.argmax(1, keepdim=True))[:, 0], "p_max": p.max(1).values,
+            "race_block_mass": 1.0 - p.topk(min(RACE_TOKENS, p.shape[1]), 1).values.sum(1) / p.sum(1)}
 
 
 def runner_up(probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,19 +183,22 @@ def second_candidates(p: Tensor, q: Tensor, draws: int, gen: torch.Generator) ->
     (when not the runner-up)] [draws * N, 4]
     (`runner_up_by_gap`: what a tree's scores should say about each candidate).
     """
-    from ..rollout.sampling import sample
-
     top2 = q.topk(2, 1).indices
-    both = {"keyed_or_runner_up": torch.zeros(p.shape[0], dtype=torch.float64),
-            "keyed_or_likeliest": torch.zeros(p.shape[0], dtype=torch.float64)}
+    both = {k: torch.zeros(p.shape[0], dtype=torch.float64)
+            for k in ("keyed_or_runner_up", "keyed_or_likeliest", "race_or_likeliest")}
+    pos = torch.zeros(p.shape[0], dtype=torch.long)
     calib = []
-    for _ in range(draws):
+    for keys in _keys(p.shape[0], draws, gen):
         u = torch.rand(p.shape[0], generator=gen, dtype=torch.float64)
         y = sample(p, u)
         tok, alt, gap = runner_up(q, u)
         likeliest = torch.where(top2[:, 0] == tok, top2[:, 1], top2[:, 0])
         both["keyed_or_runner_up"] += ((y == tok) | (y == alt)).double() / draws
         both["keyed_or_likeliest"] += ((y == tok) | (y == likeliest)).double() / draws
+        raced = draw(q, keys, pos)
+        other = torch.where(top2[:, 0] == raced, top2[:, 1], top2[:, 0])
+        y_race = draw(p, keys, pos)
+        both["race_or_likeliest"] += ((y_race == raced) | (y_race == other)).double() / draws
         bucket = torch.bucketize(gap.double(), torch.tensor(GAP_EDGES, dtype=torch.float64), right=True) - 1
         calib.append(torch.stack([bucket.double(), (y == tok).double(), ((y == alt) & (alt != tok)).double(),
                                   ((y == likeliest) & (likeliest != alt)).double()], 1))
@@ -207,15 +232,19 @@ def _distributions(logits_p: Tensor, logits_q: Tensor, ids: Tensor | None, tempe
     return p, (q_sub if ids is None else torch.zeros_like(p).index_copy_(1, ids, q_sub))
 
 
+KEYED_DRAWS = 8  # races per position in keyed_agreement (the same keys for every drafter scored: paired)
+
+
 def keyed_agreement(policy, drafter, answers, ids: Tensor | None, temperature: float, step: int = 1,
                     draft_temperature: float | None = None) -> float:
-    """The product's rule only (cheap): mean keyed inverse-CDF agreement over the answers' positions
-    at draft step `step`."""
+    """The product's rule only (cheaper): mean agreement of the keyed race over the answers' positions
+    at draft step `step`, KEYED_DRAWS races per position with fixed keys, so two drafters scored on
+    the same answers race with the same noise."""
+    gen = torch.Generator().manual_seed(0)
     total, n = 0.0, 0
     for logits_p, logits_q in _logits(policy, drafter, answers, ids, step):
         p, q = _distributions(logits_p, logits_q, ids, temperature, draft_temperature)
-        order = torch.arange(p.shape[1]).expand_as(p)
-        total += float(inverse_cdf_agreement(p, q, order, order).sum())
+        total += float(race_agreement(p, q, _keys(p.shape[0], KEYED_DRAWS, gen)).sum())
         n += p.shape[0]
     return total / max(n, 1)
 
@@ -395,7 +424,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
             figures, calib = second_candidates(p, q, args.gumbel_draws, gen)
             for k, v in {**agreements(p, q, args.gumbel_draws, gen), **figures}.items():
                 sums[t][k] = sums[t].get(k, 0.0) + float(v.sum())
-                if t == cfg.rollout.temperature and k == "keyed_inverse_cdf":
+                if t == cfg.rollout.temperature and k == "race":
                     by_pos.add(v)
             if t == cfg.rollout.temperature:
                 gaps.append(calib)
@@ -406,7 +435,7 @@ def cmd_coupling(args: argparse.Namespace) -> int:
                                                                "generate_s", "train_s", "cached")}}
     for t in temps:
         out[f"T{t:g}"] = {k: round(v / max(n, 1), 4) for k, v in sums[t].items()}
-    out["by_position"] = {k: {"keyed_inverse_cdf": mean, "positions": count} for k, (mean, count) in by_pos.means().items()}
+    out["by_position"] = {k: {"race": mean, "positions": count} for k, (mean, count) in by_pos.means().items()}
     out["runner_up_by_gap"] = gap_table(torch.cat(gaps))
     if args.draft_temperatures:
         out["by_draft_temperature"] = {

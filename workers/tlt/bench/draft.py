@@ -108,10 +108,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
             for name in (("float32", "bfloat16") if i % 2 else ("bfloat16", "float32")):
                 target(vtoks, vpos, target.new_cache(1, args.depth + 1))  # a verify pass's worth of weights
                 drafter, head = ways[name]
-                u = torch.rand(1, args.depth, generator=gen, dtype=torch.float64)
+                keys = torch.randint(-(1 << 63), (1 << 63) - 1, (1,), generator=gen)
                 spent[0], t = 0.0, time.perf_counter()
                 draft(drafter, caches[name], hid, seq, torch.tensor([n]), n, depth=args.depth, topk=1,
-                      verify=args.depth, params=params, u=u, head=head)
+                      verify=args.depth, params=params, keys=keys, head=head)
                 if i >= 10:  # the first drafts pack weights and fault pages in
                     times[name].append(time.perf_counter() - t)
                     kernel[name].append(spent[0])

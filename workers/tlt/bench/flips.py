@@ -10,10 +10,10 @@ the batch), the first half alone (half the batch), and with SD from the first to
 so the emitted tokens come from verify-pass logits). Each comparison reports the rows whose tokens
 differ from the first run's and the position of each first difference.
 
-Sampling is F_p^{-1}(u) at a uniform keyed by (seed, sample, position) (rollout/sampling.py), so
+Sampling is a race with noise keyed by (seed, sample, position, token) (rollout/sampling.py), so
 every way draws the same tokens where the arithmetic gives bit-identical p. A batch of another size
 runs other matrix-product blockings, and a verify pass multi-token products and a tree mask; each
-moves p in its last bits, which moves a drawn token when u falls that close to a CDF edge. Where the
+moves p in its last bits, which moves a drawn token when two racers finish that close together. Where the
 plain comparisons differ as the SD one does, batch composition alone explains SD's differences: SD
 is then lossless in distribution and equal to plain decoding up to the rounding plain decoding has
 anyway. Benchmarks measure; tests check correctness, never timings.
@@ -62,7 +62,7 @@ def cmd_flips(args: argparse.Namespace) -> int:
     task = make_run_task(cfg, folder)
     sampling = sampling_params(cfg.rollout)
     if sampling.greedy:
-        raise SystemExit(f"preset {args.preset} decodes greedily: no keyed uniforms to compare")
+        raise SystemExit(f"preset {args.preset} decodes greedily: no keyed draws to compare")
     eos = stop_ids(policy, task)
     prompts = [p.ids for p in task.sample_prompts(2 * args.rows, random.Random(args.seed))]
     n = args.rows

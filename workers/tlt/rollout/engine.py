@@ -46,7 +46,7 @@ from . import spec_defaults
 from .bandit import BucketedBandit
 from ..models.linear import DRAFT_ROWS, draft_in_bfloat16, thread_invariant, tune
 from ..models.transformer import Transformer
-from .sampling import SamplingParams, processed_logits, sample, sample_keys, uniforms
+from .sampling import SamplingParams, draw, processed_logits, sample_keys
 from .speculative import DraftHead, SpecStats, Tree, ancestors, chain_tree, draft, draft_vocab_ids, ngram_propose, \
     root_tree, tree_mask, walk
 
@@ -120,7 +120,7 @@ class SpecPolicy:
     # CPU float32: the drafter's few-row products read bfloat16 copies of its weights (half the bytes
     # each draft step streams; linear.draft_in_bfloat16). Lossless either way: only proposals change.
     draft_bf16: bool = spec_defaults.DRAFT_BF16
-    # sampling: the drafter's keyed draw F_q^{-1}(u) from q at this temperature (0: the rollout's own).
+    # sampling: the drafter's keyed draw (sampling.draw) from q at this temperature (0: the rollout's own).
     # Lossless whatever it is (a draft is accepted only where it equals the target's own draw); a
     # sharper q than the target's agrees with it more often (bench coupling --draft-temperatures)
     draft_temperature: float = spec_defaults.DRAFT_TEMPERATURE
@@ -446,7 +446,7 @@ class _Rows:
         self.hid = torch.empty(B, L, model.config.hidden_size, dtype=model.dtype, device=dev) if need_hidden else None
         self.lp = torch.zeros(B, L, dtype=torch.float32, device=dev)  # log-prob of seq[b, i], response part
         self.fd = torch.zeros(B, L, dtype=torch.bool, device=dev)  # seq[b, i] was an accepted draft
-        self.keys = sample_keys(seed, B, dev)  # sample b's randomness (sampling.uniforms)
+        self.keys = sample_keys(seed, B, dev)  # sample b's randomness (sampling.draw)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         self.ids = list(range(B))  # sample index of each row
         self.alive = torch.ones(B, dtype=torch.bool, device=dev)  # finished rows stay until compaction
@@ -554,7 +554,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         rows.hid[:, :Pmax] = out.hidden
     logits = model.lm_head(out.hidden[bidx, P - 1])  # [B, V] only where the prompts end
     z = processed_logits(logits, params)
-    tok = logits.argmax(-1) if params.greedy else sample(z.softmax(-1), uniforms(rows.keys, P[:, None])[:, 0])
+    tok = logits.argmax(-1) if params.greedy else draw(z.softmax(-1), rows.keys, P)
     rows.seq[bidx, P] = tok
     rows.lp[bidx, P] = torch.log_softmax(z, -1).gather(1, tok[:, None])[:, 0]
     rows.cache.lengths = P.clone()  # pending token = the first response token, at position P
@@ -616,10 +616,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
             tree = root_tree(roots)
         elif grams is not None and (arm.kind == "ngram" or all(g or not a for g, a in zip(grams, rows.alive_host))):
             tree = chain_tree(roots, grams, arm.depth)  # no drafter step: every live row has its n-gram draft
-        else:  # a draft token at level j sits at position n + j and uses that position's uniform
-            u = None if params.greedy else uniforms(rows.keys, n[:, None] + torch.arange(1, arm.depth + 1, device=dev))
+        else:  # a draft token at level j sits at position n + j and races with that position's noise
             tree = draft(drafter, rows.dcache, rows.hid, rows.seq, n, s_max, depth=arm.depth, topk=arm.topk,
-                         verify=arm.verify, params=draft_params, u=u, head=head)
+                         verify=arm.verify, params=draft_params, keys=rows.keys, head=head)
             if grams is not None:  # hybrid: the drafter's chain only for the rows without an n-gram draft
                 tree = chain_tree(roots, [g or t for g, t in zip(grams, tree.tokens[:, 1:].tolist())], arm.depth)
 
@@ -634,8 +633,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: Sampl
         z = processed_logits(out.logits, params)  # [B, T, V]
         if params.greedy:
             y = out.logits.argmax(-1)
-        else:  # the target's draw after each node: the uniform of position n + depth + 1
-            y = sample(z.softmax(-1), uniforms(rows.keys, n[:, None] + tree.depth + 1))
+        else:  # the target's draw after each node: the keyed draw of position n + depth + 1
+            y = draw(z.softmax(-1), rows.keys, n[:, None] + tree.depth + 1)
         path, n_acc, nxt = walk(tree, y, stats if T > 1 else None, arm.kind)
         D = path.shape[1] - 1
         j = torch.arange(D + 1, device=dev)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..models.linear import Linear
 from ..models.transformer import KVCache
-from .sampling import SamplingParams, process, sample
+from .sampling import SamplingParams, draw, process
 
 
 class Tree(NamedTuple):
@@ -199,14 +199,15 @@ def _causal(lengths: Tensor, T: int, S: int) -> Tensor:
 
 
 def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s_max: int, *,
-          depth: int, topk: int, verify: int, params: SamplingParams, u: Tensor | None = None,
+          depth: int, topk: int, verify: int, params: SamplingParams, keys: Tensor | None = None,
           head: DraftHead | None = None) -> Tree:
     """Draft a chain (topk == 1) or a tree for every row; s_max = max(lengths) as a host int.
 
-    Chain: depth drafter steps. Greedy: each token the drafter's argmax. Sampling: each token is
-    F_q^{-1}(u) for the drafter's processed distribution q at the SAME uniform u [B, depth] that
-    the target will use for that position (sampling.py), so the draft is exactly the token plain
-    decoding draws whenever q and p put that uniform in the same token's interval.
+    Chain: depth drafter steps. Greedy: each token the drafter's argmax. Sampling: each token is the
+    keyed draw (sampling.draw) from the drafter's processed distribution q with the SAME noise the
+    target will race with at that position (keys [B]: the rows' sample keys; level j drafts position
+    lengths + j), so the draft is exactly the token plain decoding draws whenever the same token
+    finishes first under q and under p.
     Tree (EAGLE-2 style dynamic tree): level 1 = the top-k tokens after the root; each further
     level expands the k best frontier nodes (by cumulative drafter log-prob) into k children each;
     finally the `verify` best candidates over all levels are kept. A child's score is below its
@@ -222,6 +223,8 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     root = seq[rows, lengths]
     logits = head.logits(h)  # [B, V']
     sampled = not params.greedy
+    if sampled and keys is None:
+        raise ValueError("sampled drafts need the rows' sample keys (sampling.sample_keys)")
 
     if topk == 1:
         toks = []
@@ -232,8 +235,9 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
                 x = drafter(x, tok[:, None], positions=pos, cache=dcache, write_pos=pos,
                             mask=_causal(pos[:, 0], 1, s_max + level - 1))
                 logits = head.logits(x[:, 0])
-            # ids ascend in the reduced vocabulary, so its CDF is the full one's restricted: same u, same order
-            tok = head.token(sample(process(logits, params), u[:, level - 1]) if sampled else logits.argmax(-1))
+            # the reduced vocabulary races with the noise of its tokens' full-vocabulary ids (head.ids)
+            tok = head.token(draw(process(logits, params), keys, lengths + level, head.ids) if sampled
+                             else logits.argmax(-1))
             toks.append(tok)
         tokens = torch.stack([root] + toks, 1)  # [B, D + 1]
         ar = torch.arange(depth + 1, device=dev).expand(B, -1)
@@ -244,13 +248,13 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     H = h.shape[-1]
 
     def children(lg: Tensor, level: int) -> tuple[Tensor, Tensor]:
-        """The K best children of each node by drafter log-prob; when sampling, the coupled draw
-        F_q^{-1}(u) of the level's position comes first (scored as certain: 0, never above its
-        parent), since it is the child most likely to be the target's own draw."""
+        """The K best children of each node by drafter log-prob; when sampling, the coupled draw of
+        the level's position comes first (scored as certain: 0, never above its parent), since it
+        is the child most likely to be the target's own draw."""
         lq = torch.log_softmax(lg.float(), -1)
         if sampled:
-            uu = u[:, level - 1].reshape(B, *([1] * (lg.dim() - 2))).expand(lg.shape[:-1])
-            lq = lq.scatter(-1, sample(process(lg, params), uu)[..., None], 0.0)
+            pos = (lengths + level).reshape(B, *([1] * (lg.dim() - 2))).expand(lg.shape[:-1])
+            lq = lq.scatter(-1, draw(process(lg, params), keys, pos, head.ids)[..., None], 0.0)
         v, t = lq.topk(K, -1)
         return v, head.token(t)
 
@@ -264,10 +268,10 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     ark = torch.arange(K, device=dev)
     anc[:, ark, ark] = True  # level-1 nodes occupy slots 0..K-1
     offset = K
-    keys = torch.arange(s_max + R, device=dev)
-    rel = keys[None, :] - lengths[:, None]  # [B, S]
+    slots = torch.arange(s_max + R, device=dev)
+    rel = slots[None, :] - lengths[:, None]  # [B, S]
     inside = (rel >= 0) & (rel < R)
-    prefix = (keys[None, :] < lengths[:, None])[:, None, :]
+    prefix = (slots[None, :] < lengths[:, None])[:, None, :]
     for level in range(2, depth + 1):
         slot0 = (level - 2) * K
         pos = (lengths + level - 2)[:, None].expand(B, K)
@@ -375,15 +379,16 @@ def chain_tree(roots: Tensor, proposals: list[list[int]], depth: int) -> Tree:
 def walk(tree: Tree, y: Tensor, stats: SpecStats | None = None, kind: str = "chain") -> tuple[Tensor, Tensor, Tensor]:
     """Accept the drafted path that agrees with the target's own choices: the one verification rule.
 
-    y: [B, T] the target's token at every node: its argmax (greedy), or its inverse-CDF draw from
-    the processed target distribution p at that node at the keyed uniform of the node's next
-    position (sampling.py). Starting at the root, descend to the child whose token equals y[node];
+    y: [B, T] the target's token at every node: its argmax (greedy), or its keyed draw from the
+    processed target distribution p at that node with the noise of the node's next position
+    (sampling.draw). Starting at the root, descend to the child whose token equals y[node];
     stop when no child matches and emit y[node].
 
     Lossless, token for token: every node on the accepted path has exactly the prefix plain decoding
-    would have, and y[node] is the token plain decoding draws there (same p, same uniform), so the
+    would have, and y[node] is the token plain decoding draws there (same p, same noise), so the
     emitted sequence IS the plain-decoding sequence; drafts only decide how far one pass gets. Each
-    uniform decides one emitted token and is independent of the prefix, so each token has law p.
+    position's noise decides one emitted token and is independent of the prefix, so each token has
+    law p.
     Greedy is the same rule with argmax.
 
     Returns path [B, D+1] (node index at each accepted depth; repeats the last node past n_acc),
