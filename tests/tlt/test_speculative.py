@@ -125,6 +125,56 @@ def test_a_subset_distribution_races_with_its_tokens_own_noise():
     assert race > keyed + 0.1 and race <= float(torch.minimum(p, q_full).sum()) + 0.02
 
 
+def test_a_races_places_are_the_draw_then_the_next_racers_to_finish(monkeypatch):
+    g = torch.Generator().manual_seed(8)
+    probs = torch.rand(500, 12, generator=g) ** 3
+    probs /= probs.sum(-1, keepdim=True)
+    keys, pos = sample_keys(3, 500), torch.arange(500)
+    three = draw(probs, keys, pos, places=3)
+    assert torch.equal(three[:, 0], draw(probs, keys, pos))
+    assert (three[:, 0] != three[:, 1]).all() and (three[:, 1] != three[:, 2]).all() and (three[:, 0] != three[:, 2]).all()
+    # a close distribution's draw, where it misses this one's, is mostly this one's runner-up
+    near = probs + 0.01 * torch.rand(500, 12, generator=g)  # rows need not sum to 1: the race is per row
+    other = draw(near, keys, pos)
+    missed = other != three[:, 0]
+    assert missed.sum() > 10 and float((other[missed] == three[missed, 1]).double().mean()) > 0.6
+    # behind a win of the block of unlikely tokens, the runner-up is the head's first
+    monkeypatch.setattr(sampling, "RACE_TOKENS", 2)
+    two = draw(probs, keys, pos, places=2)
+    block_won = ~(two[:, 0, None] == probs.topk(2, -1).indices).any(-1)
+    assert block_won.any() and (two[block_won, 1] != two[block_won, 0]).all()
+
+
+def test_a_sampled_trees_children_are_the_first_to_finish_the_drafters_race():
+    model = _tiny()
+    drafter = Drafter.for_target(model)
+    B, L = 2, 40
+    g = torch.Generator().manual_seed(1)
+    lens = torch.tensor([7, 5])
+    seq = torch.randint(0, 48, (B, L), generator=g)
+    hid = torch.randn(B, L, 32, generator=g)
+    params, keys = SamplingParams(temperature=0.8), sample_keys(4, B)
+    tree = draft(drafter, drafter.new_cache(B, L), hid, seq, lens, 7, depth=2, topk=3, verify=6, params=params, keys=keys)
+    # level 1: the root's children, in the race's finishing order at the position after the pending token
+    q = process(catch_up(drafter, drafter.new_cache(B, L), hid, seq, lens) @ model.lm_head.weight.T, params)
+    first = tree.depth == 1
+    assert torch.equal(tree.tokens[first].view(B, 3), draw(q, keys, lens + 1, places=3))
+    with pytest.raises(ValueError, match="sample keys"):
+        draft(drafter, drafter.new_cache(B, L), hid, seq, lens, 7, depth=2, topk=3, verify=6, params=params)
+
+
+def test_tree_branching_stays_within_the_racers_one_by_one():
+    from workers.tlt.config import ConfigError, preset
+    from workers.tlt.rollout import spec_defaults
+    from workers.tlt.rollout.engine import Arm
+
+    assert spec_defaults.MAX_TOPK <= sampling.RACE_TOKENS
+    with pytest.raises(ConfigError, match="top-k"):
+        preset("tiny-cpu", {"spec": {"strategies": [(4, spec_defaults.MAX_TOPK + 1, 64)]}})
+    with pytest.raises(ValueError, match="topk"):
+        Arm.parse(f"d4k{spec_defaults.MAX_TOPK + 1}v64")
+
+
 def test_token_logprobs_score_the_processed_distribution_and_keep_sampled_tokens():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
     params = SamplingParams(temperature=0.5, top_k=2)

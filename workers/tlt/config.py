@@ -169,8 +169,9 @@ class SpecSection(_Section):
         if sorted(self.buckets) != self.buckets or len(set(self.buckets)) != len(self.buckets):
             raise ValueError("buckets must be strictly increasing")
         for depth, topk, verify in self.strategies:
-            if depth < 1 or topk < 1 or verify < depth:
-                raise ValueError(f"strategy {(depth, topk, verify)}: need depth >= 1, top-k >= 1, verify >= depth")
+            if depth < 1 or not 1 <= topk <= spec_defaults.MAX_TOPK or verify < depth:
+                raise ValueError(f"strategy {(depth, topk, verify)}: need depth >= 1, 1 <= top-k <= "
+                                 f"{spec_defaults.MAX_TOPK}, verify >= depth")
         return self
 
 

@@ -26,7 +26,8 @@ recipe, cached; its reduced draft vocabulary) are compared, at each temperature,
     keyed_or_runner_up the target's draw is the drafter's keyed draw or its runner-up, the neighbour
                        across the nearer edge of its CDF interval (a tree's second child under sampling)
     keyed_or_likeliest the same with the drafter's likeliest other token as the second candidate
-    race_or_likeliest  the race's draws, the drafter's likeliest other token second (the product's tree)
+    race_or_likeliest  the race's draws, the drafter's likeliest other token second
+    race_or_runner_up  the race's draws, the drafter's runner-up in its race second (draw's `places`)
 
 `p_max` is E[max p], and `race_block_mass` the mass of p outside its RACE_TOKENS likeliest tokens
 (how often the race's block of unlikely tokens wins). Exact for the inverse-CDF rules and `maximal`; Monte Carlo (`--gumbel-draws`
@@ -185,7 +186,7 @@ def second_candidates(p: Tensor, q: Tensor, draws: int, gen: torch.Generator) ->
     """
     top2 = q.topk(2, 1).indices
     both = {k: torch.zeros(p.shape[0], dtype=torch.float64)
-            for k in ("keyed_or_runner_up", "keyed_or_likeliest", "race_or_likeliest")}
+            for k in ("keyed_or_runner_up", "keyed_or_likeliest", "race_or_likeliest", "race_or_runner_up")}
     pos = torch.zeros(p.shape[0], dtype=torch.long)
     calib = []
     for keys in _keys(p.shape[0], draws, gen):
@@ -195,10 +196,11 @@ def second_candidates(p: Tensor, q: Tensor, draws: int, gen: torch.Generator) ->
         likeliest = torch.where(top2[:, 0] == tok, top2[:, 1], top2[:, 0])
         both["keyed_or_runner_up"] += ((y == tok) | (y == alt)).double() / draws
         both["keyed_or_likeliest"] += ((y == tok) | (y == likeliest)).double() / draws
-        raced = draw(q, keys, pos)
+        raced, second = draw(q, keys, pos, places=2).unbind(-1)
         other = torch.where(top2[:, 0] == raced, top2[:, 1], top2[:, 0])
         y_race = draw(p, keys, pos)
         both["race_or_likeliest"] += ((y_race == raced) | (y_race == other)).double() / draws
+        both["race_or_runner_up"] += ((y_race == raced) | (y_race == second)).double() / draws
         bucket = torch.bucketize(gap.double(), torch.tensor(GAP_EDGES, dtype=torch.float64), right=True) - 1
         calib.append(torch.stack([bucket.double(), (y == tok).double(), ((y == alt) & (alt != tok)).double(),
                                   ((y == likeliest) & (likeliest != alt)).double()], 1))

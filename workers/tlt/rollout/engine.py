@@ -80,8 +80,9 @@ class Arm(NamedTuple):
         if (h := HYBRID.fullmatch(label)) and int(h[1]) >= 1:
             return cls(label, int(h[1]), 1, int(h[1]))
         m = re.fullmatch(r"d(\d+)k(\d+)v(\d+)", label)
-        if not m or int(m[1]) < 1 or int(m[2]) < 1:
-            raise ValueError(f"bad arm label {label!r}: use off, ngram, ngram|d<depth> or d<depth>k<topk>v<verify>")
+        if not m or int(m[1]) < 1 or not 1 <= int(m[2]) <= spec_defaults.MAX_TOPK:
+            raise ValueError(f"bad arm label {label!r}: use off, ngram, ngram|d<depth> or d<depth>k<topk>v<verify> "
+                             f"(1 <= topk <= {spec_defaults.MAX_TOPK})")
         d, k, v = int(m[1]), int(m[2]), int(m[3])
         return cls(label, d, k, max(v, d))
 

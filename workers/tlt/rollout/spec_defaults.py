@@ -12,3 +12,6 @@ HYBRID_DEPTH = 0  # also try "ngram|d{depth}": the n-gram draft where a row has 
 DRAFT_VOCAB = 0  # reduced draft vocabulary size (0: the full vocabulary)
 DRAFT_TEMPERATURE = 0.0  # sampling: the temperature of the drafter's keyed draws (0: the rollout's own)
 DRAFT_BF16 = True  # CPU float32: drafting reads bfloat16 copies of the drafter's weights (linear.draft_in_bfloat16)
+# a sampled tree's children at a node are the first to finish the drafter's keyed race, which runs only
+# its sampling.RACE_TOKENS likeliest tokens one by one (test_speculative checks the two agree)
+MAX_TOPK = 32

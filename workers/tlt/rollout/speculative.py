@@ -248,14 +248,16 @@ def draft(drafter, dcache: KVCache, hid: Tensor, seq: Tensor, lengths: Tensor, s
     H = h.shape[-1]
 
     def children(lg: Tensor, level: int) -> tuple[Tensor, Tensor]:
-        """The K best children of each node by drafter log-prob; when sampling, the coupled draw of
-        the level's position comes first (scored as certain: 0, never above its parent), since it
-        is the child most likely to be the target's own draw."""
-        lq = torch.log_softmax(lg.float(), -1)
+        """The K best children of each node: greedy, the drafter's likeliest tokens, scored by their
+        log-probs. Sampling: the first K to finish the drafter's race at the level's position (the
+        coupled draw, then its runners-up: where the target's draw is not the drafter's, it is most
+        often the drafter's runner-up, `bench coupling`), the draw scored as certain (0, never above
+        its parent) and the k-th runner-up as the drafter's k-th likeliest token."""
+        v, t = torch.log_softmax(lg.float(), -1).topk(K, -1)
         if sampled:
             pos = (lengths + level).reshape(B, *([1] * (lg.dim() - 2))).expand(lg.shape[:-1])
-            lq = lq.scatter(-1, draw(process(lg, params), keys, pos, head.ids)[..., None], 0.0)
-        v, t = lq.topk(K, -1)
+            t = draw(process(lg, params), keys, pos, head.ids, places=K)
+            v = torch.cat([torch.zeros_like(v[..., :1]), v[..., 1:]], -1)
         return v, head.token(t)
 
     score, tok = children(logits, 1)  # [B, K]
