@@ -24,8 +24,9 @@ def frozen_drafter_yaml() -> str:
 
     # 150 SFT steps and 4 samples per prompt: some answers right and some wrong in a group, so the
     # policy really moves (grad norm > 0), which "stale" requires; the SFT'd policy is cached, so
-    # the control (same model and seed) skips it
-    over = {**TINY_SHORT, "run": {**TINY_SHORT["run"], "steps": STEPS, "checkpoint_interval": 1},
+    # the control (same model and seed) skips it. Seed 3: under the keyed race (e070cd7) seed 0's
+    # first two steps drew no right answer at all (no gradient, no alert); seeds 1-3 moved in every step
+    over = {**TINY_SHORT, "run": {**TINY_SHORT["run"], "steps": STEPS, "checkpoint_interval": 1, "seed": 3},
             "model": {**TINY_SHORT["model"], "sft_steps": 150},
             "rollout": {**TINY_SHORT["rollout"], "samples_per_prompt": 4},
             "drafter": {**TINY_SHORT["drafter"], "spot_training": False}}
