@@ -19,6 +19,7 @@ cd "$TLT_ROOT"
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 export RAY_USAGE_STATS_ENABLED=0
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a native crash prints every thread's stack, even after pytest unhooks its own handler
 
 TLT_RAY_PID=""
 trap 'ray_head_stop' EXIT
