@@ -15,37 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from early_exit import pytest_sessionstart, pytest_unconfigure  # noqa: F401 - how the process ends
+
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "correct-horse-battery"
-
-
-# ---------- the end of the pytest process ----------
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """Leave without the interpreter's teardown once pytest has reported.
-
-    This process starts and stops several local Ray instances (the trainer and learner tests), and
-    Ray's native core worker is not made to be torn down and started again in one process
-    (ray-project/ray#31145): a CI run passed every test and then died of a segmentation fault
-    while Python freed its modules (exit status 139). By now every fixture has stopped what it
-    started and the summary is printed, so nothing is left to free but memory; the exit status
-    is pytest's own. scripts/test.sh sets PYTHONFAULTHANDLER, so a crash before this point still
-    prints every thread's stack.
-    """
-    session = _SESSIONS.get(config)
-    if session is None:  # pytest stopped before a session began (a usage error): its own exit
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(session.exitstatus))
-
-
-_SESSIONS: dict[pytest.Config, pytest.Session] = {}
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _SESSIONS[session.config] = session
 
 
 # ---------- users, teams, runs ----------
