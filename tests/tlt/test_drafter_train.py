@@ -179,6 +179,34 @@ def test_unrolled_training_trains_every_step(target):
     assert after["loss"] < before["loss"]
 
 
+def test_feature_noise_perturbs_what_the_drafter_reads_not_what_it_must_predict(target, monkeypatch):
+    import workers.tlt.learn.drafter_train as dt
+
+    batch = next(harvested_buffer(target).batches(4096))
+    drafter = Drafter.for_target(target, seed=0)
+    read = []
+    real = dt.unrolled_predictions
+    monkeypatch.setattr(dt, "unrolled_predictions", lambda d, h, *a: read.append(h) or real(d, h, *a))
+    clean = drafter_loss(drafter, batch)[0]
+    noisy = [drafter_loss(drafter, batch, feature_noise=0.2, generator=torch.Generator().manual_seed(1))[0]
+             for _ in range(2)]
+    assert noisy[0].item() == noisy[1].item() != clean.item()  # drawn from the generator, so reproducible
+    h = batch.hidden.float()
+    delta = read[1].float() - h
+    bound = 0.2 * h.pow(2).mean(-1, keepdim=True).sqrt()
+    assert torch.equal(read[0], batch.hidden) and (delta.abs() <= bound * 1.001).all() and delta.abs().mean() > 0.2 * bound.mean()
+    # a drafter that predicts the clean next states exactly has no hidden loss under noise: the truth is clean
+    monkeypatch.setattr(dt, "unrolled_predictions", lambda d, h, *a: [batch.hidden[:, 1:].float() + 0 * d.fc.weight.sum()])
+    _, m = drafter_loss(drafter, batch, feature_noise=0.2, generator=torch.Generator().manual_seed(1))
+    assert m["hidden_loss"] == 0.0 and m["accuracy"] == 1.0
+    # and it trains: the trainer draws the noise from its own seeded generator
+    trainer = DrafterTrainer(Drafter.for_target(target, seed=0), DrafterSection(lr=1e-2, batch_tokens=4096, feature_noise=0.2))
+    monkeypatch.setattr(dt, "unrolled_predictions", real)
+    before = drafter_loss(trainer.drafter, batch)[1]
+    trainer.train(harvested_buffer(target), max_steps=40)
+    assert drafter_loss(trainer.drafter, batch)[1]["loss"] < 0.7 * before["loss"]
+
+
 def test_preemption_applies_only_whole_optimizer_steps(target):
     buf = harvested_buffer(target)
     drafter = Drafter.for_target(target)

@@ -219,6 +219,12 @@ class DrafterSection(_Section):
                     "drafter's own predicted states, as when drafting, which keeps later draft positions "
                     "accurate; each step costs about one more training pass. 1: plain EAGLE training.",
     )
+    feature_noise: float = Field(
+        0.0, ge=0, le=1.0,
+        description="Uniform noise on the target states the drafter reads in training, as a fraction of each "
+                    "state's RMS (EAGLE's augmentation): draft steps 2.. read the drafter's own, inexact "
+                    "predictions. Free, unlike unroll. 0: none.",
+    )
 
 
 class GRPOSection(_Section):

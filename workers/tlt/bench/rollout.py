@@ -115,7 +115,7 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
     recipe = SimpleNamespace(  # the fields of config.DrafterSection the recipe reads (no pydantic here)
         warmup_prompts=args.train_prompts, warmup_steps=args.train_steps, warmup_max_new_tokens=args.max_new_tokens,
         warmup_lr=args.lr, warmup_batch_tokens=args.batch_tokens, train_vocab=args.train_vocab,
-        hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll)
+        hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll, feature_noise=0.0)
     drafter, info = warmup_drafter(model, task, recipe, sampling=SamplingParams(temperature=args.train_temperature),
                                    policy_key=weights_digest(folder), max_new_tokens=args.max_new_tokens,
                                    seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain,

@@ -80,16 +80,24 @@ def unrolled_predictions(drafter: Drafter, hidden: Tensor, tokens: Tensor, unrol
 
 
 def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, token_weight: float = 0.1,
-                 vocab: Tensor | None = None, unroll: int = 1) -> tuple[Tensor, dict[str, float]]:
+                 vocab: Tensor | None = None, unroll: int = 1, feature_noise: float = 0.0,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, float]]:
     """The EAGLE loss on the masked positions of `batch`, over `unroll` draft steps; returns (loss, metrics).
 
     `vocab` (sorted token ids) restricts the soft cross-entropy and the accuracy to those tokens,
     e.g. the reduced draft vocabulary the drafter will propose from (None: the whole vocabulary).
+    `feature_noise` a > 0 adds U(-a, a) times each state's RMS to the states the drafter reads (drawn
+    from `generator`); the states it must predict stay clean.
     metrics["accuracy"] is draft step 1's top-1 agreement; "accuracy_<m>" that of step m > 1.
     """
     dtype = drafter.fc.weight.dtype
     device = drafter.fc.weight.device
     hidden = batch.hidden.to(device=device, dtype=dtype)  # [B, T, H]
+    hidden_in = hidden
+    if feature_noise > 0:
+        u = torch.rand(hidden.shape, generator=generator, device=device, dtype=torch.float32)
+        rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
+        hidden_in = (hidden.float() + (2 * u - 1) * (feature_noise * rms)).to(dtype)
     tokens = batch.tokens.to(device)
     mask = batch.mask[:, :-1].to(device)  # [B, T-1]: position i predicts h_{i+1}
     true = hidden[:, 1:]
@@ -100,7 +108,7 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, tok
     head = Linear.frozen(weight if vocab is None else weight.index_select(0, vocab.to(weight.device)))
     head.bulk_kernel = target_head.bulk_kernel
 
-    preds = unrolled_predictions(drafter, hidden, tokens, unroll)
+    preds = unrolled_predictions(drafter, hidden_in, tokens, unroll)
     metrics: dict[str, float] = {}
     losses = []
     for m, pred in enumerate(preds, start=1):
@@ -158,11 +166,13 @@ class DrafterTrainer:
         self.steps_done = 0
         self.last_metrics: dict[str, float] = {}
         self.rng = random.Random(seed)
+        self.noise = torch.Generator(drafter.fc.weight.device).manual_seed(seed)  # feature_noise's draws
         self._vocab_cache: tuple[tuple, Tensor] | None = None
 
     def _loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
         return drafter_loss(self.drafter, batch, self.cfg.hidden_loss_weight, self.cfg.token_loss_weight,
-                            vocab=self._vocab(), unroll=self.cfg.unroll)
+                            vocab=self._vocab(), unroll=self.cfg.unroll, feature_noise=self.cfg.feature_noise,
+                            generator=self.noise)
 
     def _vocab(self) -> Tensor | None:
         """The soft cross-entropy's vocabulary: drafter.train_vocab most frequent tokens of the warm-up

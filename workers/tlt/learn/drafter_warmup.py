@@ -115,7 +115,8 @@ def warmup_drafter(policy: Transformer, task, cfg: "DrafterSection", *, sampling
     data_spec = _data_spec(policy, task, cfg, sampling, policy_key, max_new_tokens, seed)
     train_spec = {**data_spec, "steps": cfg.warmup_steps, "lr": cfg.warmup_lr, "batch_tokens": cfg.warmup_batch_tokens,
                   "train_vocab": cfg.train_vocab, "hidden_w": cfg.hidden_loss_weight, "token_w": cfg.token_loss_weight,
-                  "unroll": cfg.unroll, "recipe": RECIPE_VERSION}
+                  "unroll": cfg.unroll, "recipe": RECIPE_VERSION,
+                  **({"feature_noise": cfg.feature_noise} if cfg.feature_noise else {})}  # older keys stay valid
     folder = root / f"drafter-{_key(train_spec)}"
     if (folder / "info.json").exists() and not retrain:
         from safetensors.torch import load_file
@@ -235,6 +236,7 @@ def _train(drafter: Drafter, buf: DrafterBuffer, cfg: "DrafterSection", vocab: T
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(seed)
+    noise = torch.Generator(drafter.fc.weight.device).manual_seed(seed)
     total, warm = cfg.warmup_steps, max(1, cfg.warmup_steps // 20)
     accs: list[tuple[float, int]] = []
     step, t = 0, time.perf_counter()
@@ -245,7 +247,7 @@ def _train(drafter: Drafter, buf: DrafterBuffer, cfg: "DrafterSection", vocab: T
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, cfg.warmup_lr, warm)
             loss, m = drafter_loss(drafter, batch, cfg.hidden_loss_weight, cfg.token_loss_weight, vocab=vocab,
-                                   unroll=cfg.unroll)
+                                   unroll=cfg.unroll, feature_noise=cfg.feature_noise, generator=noise)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
