@@ -115,7 +115,8 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
     recipe = SimpleNamespace(  # the fields of config.DrafterSection the recipe reads (no pydantic here)
         warmup_prompts=args.train_prompts, warmup_steps=args.train_steps, warmup_max_new_tokens=args.max_new_tokens,
         warmup_lr=args.lr, warmup_batch_tokens=args.batch_tokens, train_vocab=args.train_vocab,
-        hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll, feature_noise=0.0)
+        hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll,
+        feature_noise=args.feature_noise)
     drafter, info = warmup_drafter(model, task, recipe, sampling=SamplingParams(temperature=args.train_temperature),
                                    policy_key=weights_digest(folder), max_new_tokens=args.max_new_tokens,
                                    seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain,
@@ -407,6 +408,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-weight", type=float, default=0.1, help="weight of the soft cross-entropy term")
     g.add_argument("--train-vocab", type=int, help="vocabulary of the training cross-entropy (0: full)")
     g.add_argument("--unroll", type=int, help="draft steps trained per position (training-time test; 1: plain EAGLE)")
+    g.add_argument("--feature-noise", type=float, default=0.0,
+                   help="noise on the states the drafter reads, a fraction of their RMS (smollm2-mathmix-cpu: 0.2)")
     g.add_argument("--gen-batch", type=int)
     g.add_argument("--sft-steps", type=int, help="tiny: SFT steps when no cached tiny policy is used")
     g.add_argument("--cache-dir", default=str(REPO_ROOT / "var" / "bench"))
