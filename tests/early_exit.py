@@ -16,9 +16,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     A CI run passed every test and then died of a segmentation fault while Python freed its
     modules (exit status 139). Its stack was not caught; the likely culprit is that this process
     starts and stops several local Ray instances (the trainer and learner tests), and Ray's native
-    core worker is not made to be torn down and started again in one process (ray-project/ray#31145). By now every fixture has stopped what it
-    started and the summary is printed, so nothing is left to free but memory; the exit status
-    is pytest's own. scripts/test.sh sets PYTHONFAULTHANDLER, so a crash before this point still
+    core worker is not made to be torn down and started again in one process (ray-project/ray#31145).
+    By now every fixture has stopped what it started and the summary is printed, so nothing is left
+    to free but memory; the exit status is pytest's own. scripts/test.sh sets PYTHONFAULTHANDLER, so a crash before this point still
     prints every thread's stack.
     """
     session = _SESSIONS.get(config)

@@ -96,8 +96,9 @@ def drafter_loss(drafter: Drafter, batch: Batch, hidden_weight: float = 1.0, tok
     hidden_in = hidden
     if feature_noise > 0:
         u = torch.rand(hidden.shape, generator=generator, device=device, dtype=torch.float32)
-        rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
-        hidden_in = (hidden.float() + (2 * u - 1) * (feature_noise * rms)).to(dtype)
+        h32 = hidden.float()
+        rms = h32.pow(2).mean(-1, keepdim=True).sqrt()
+        hidden_in = (h32 + (2 * u - 1) * (feature_noise * rms)).to(dtype)
     tokens = batch.tokens.to(device)
     mask = batch.mask[:, :-1].to(device)  # [B, T-1]: position i predicts h_{i+1}
     true = hidden[:, 1:]
