@@ -319,6 +319,35 @@ def test_the_warmup_recipe_trains_on_the_policys_answers_and_caches_data_and_dra
     assert not info3["cached"] and info3["steps"] == 3 and calls == []
 
 
+def test_the_warmup_decodes_its_first_cut_answers_on_to_the_rollouts_cap(target, tmp_path):
+    """warmup_continue: the first N answers cut at the warm-up's cap run on to the rollout's, keeping
+    their text and their states (h_i still pairs with token i + 1); the other answers stay as cut,
+    and the continued answers are cached under a key of their own."""
+    from workers.tlt.learn.drafter_warmup import warmup_answers
+    from workers.tlt.rollout.sampling import SamplingParams
+    from workers.tlt.tasks import make_task
+
+    task = make_task("longtail")
+    cfg = DrafterSection(warmup_prompts=8, warmup_max_new_tokens=6)
+    kw = dict(sampling=SamplingParams(temperature=1.0), policy_key="k", max_new_tokens=30, seed=0, cache_dir=tmp_path)
+    cut = warmup_answers(target, task, cfg, **kw)
+    longer = warmup_answers(target, task, cfg.model_copy(update={"warmup_continue": 3}), **kw)
+    assert len(list(tmp_path.glob("answers-*.pt"))) == 2 and len(longer) == len(cut)
+    at_cap = [k for k, (toks, _, plen) in enumerate(cut) if len(toks) - plen == 5]  # stored: all but the last token
+    assert len(at_cap) > 3  # the tiny policy rarely stops this early, so the test has answers to pass over
+    for k, ((toks, hid, plen), (toks2, hid2, plen2)) in enumerate(zip(cut, longer)):
+        assert plen2 == plen and hid2.shape[0] == len(toks2)
+        if k not in at_cap[:3]:
+            assert torch.equal(toks2, toks) and torch.equal(hid2, hid)
+            continue
+        assert torch.equal(toks2[:len(toks)], toks) and 6 < len(toks2) - plen <= 29
+        # the prefill's states of the old text are the ones decoding harvested, up to float16's rounding
+        torch.testing.assert_close(hid2[:len(toks)].float(), hid.float(), atol=2e-2, rtol=2e-2)
+    with torch.no_grad():  # and the new positions' states are the target's own for that text
+        toks2, hid2, _ = longer[at_cap[0]]
+        torch.testing.assert_close(hid2.float(), target(toks2[None]).hidden[0].float(), atol=2e-2, rtol=2e-2)
+
+
 def test_spot_training_resumes_the_warmups_adamw_at_its_own_rate(target):
     """A fresh AdamW's first step moves every weight by its learning rate (m / sqrt(v) = sign(g)); one
     resumed from the warm-up's moments moves each by what the moments say, mostly far less."""

@@ -184,8 +184,13 @@ class DrafterSection(_Section):
     warmup_prompts: int = Field(64, ge=1, le=100_000,
                                 description="Prompts the starting policy answers for the offline warm-up (its training data).")
     warmup_max_new_tokens: int = Field(256, ge=1, le=65_536,
-                                       description="Length cap of the warm-up answers (the start of a runaway answer "
-                                                   "teaches as much as its end, at a fraction of the decode time).")
+                                       description="Length cap of the warm-up answers (most of a runaway answer's decode "
+                                                   "time is its end; warmup_continue decodes some of them on).")
+    warmup_continue: int = Field(
+        0, ge=0, le=100_000,
+        description="Of the warm-up answers cut at warmup_max_new_tokens, this many are decoded on to the rollout's "
+                    "cap (rollout.max_new_tokens), together: the late positions of long answers, where the long tail "
+                    "decodes and a drafter trained on cut answers agrees least (README \"Warm-up recipes\"). 0: none.")
     warmup_lr: float = Field(1e-3, gt=0, le=1.0, description="Peak warm-up learning rate (linear warm-up, cosine decay).")
     warmup_batch_tokens: int = Field(1536, ge=16, description="Padded tokens per warm-up step.")
     train_vocab: int = Field(

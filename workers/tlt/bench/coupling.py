@@ -344,7 +344,8 @@ def recipe_scores(policy, answers, recipes: dict[str, Any], holdout: int, ids_si
 
 
 # what decides the answers every recipe shares, and the step count all of them train for
-FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "drafter.warmup_steps"}
+FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "drafter.warmup_continue",
+                    "drafter.warmup_steps"}
 
 
 def _preset_policy(args: argparse.Namespace):
