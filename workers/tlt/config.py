@@ -190,7 +190,8 @@ class DrafterSection(_Section):
         0, ge=0, le=100_000,
         description="Of the warm-up answers cut at warmup_max_new_tokens, this many are decoded on to the rollout's "
                     "cap (rollout.max_new_tokens), together: the late positions of long answers, where the long tail "
-                    "decodes and a drafter trained on cut answers agrees least (README \"Warm-up recipes\"). 0: none.")
+                    "decodes and a drafter trained on cut answers agrees least (README \"Past the warm-up's cap\"). "
+                    "0: none.")
     warmup_lr: float = Field(1e-3, gt=0, le=1.0, description="Peak warm-up learning rate (linear warm-up, cosine decay).")
     warmup_batch_tokens: int = Field(1536, ge=16, description="Padded tokens per warm-up step.")
     train_vocab: int = Field(

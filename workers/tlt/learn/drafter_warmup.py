@@ -13,9 +13,9 @@ the rollout samples (so the drafter learns the text RL will draw), each answer c
 `drafter.warmup_continue` of the cut ones are then decoded on, together, to the rollout's cap: its
 long tail decodes there, and a drafter that never saw those late positions agrees least on them.
 The rollout engine harvests the target's hidden state of every position while it decodes, so the
-(token, hidden state) pairs cost no extra pass (a continued answer's earlier states: its prefill's). The answers are
-cached (tokens and float16 states, keyed by the policy's weights, the task and these settings):
-another training recipe, or another run of the same preset, reuses them.
+(token, hidden state) pairs cost no extra pass (a continued answer's earlier states: its prefill's).
+The answers are cached (tokens and float16 states, keyed by the policy's weights, the task and
+these settings): another training recipe, or another run of the same preset, reuses them.
 
 Training (EAGLE's loss, drafter_train.drafter_loss): AdamW (0.9, 0.95), `drafter.warmup_lr` warmed
 up linearly over the first 5% of `drafter.warmup_steps` and then cosine-decayed to 5% of it,
@@ -120,7 +120,7 @@ def continue_answers(policy: Transformer, answers: list[Answer], count: int, cap
     `max_new_tokens`, from their stored text (prompt and response but its last token) as a prompt.
 
     A drafter trained on cut answers agrees least where the long tail decodes, past the cut
-    (README "Warm-up recipes"), and decoding only the answers that ran to the cap, together, buys
+    (README "Past the warm-up's cap"), and decoding only the answers that ran to the cap, together, buys
     those late positions at a full batch's rate. (An answer whose EOS fell exactly on the cap is
     continued too: its prefix lacks the EOS, and the policy draws that token afresh.)"""
     cut = [k for k, (toks, _, plen) in enumerate(answers) if len(toks) - plen >= cap - 1][:count]
