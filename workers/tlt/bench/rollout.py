@@ -116,7 +116,7 @@ def adapted_drafter(model, task, folder: Path, args: argparse.Namespace, eos):
         warmup_prompts=args.train_prompts, warmup_steps=args.train_steps, warmup_max_new_tokens=args.max_new_tokens,
         warmup_lr=args.lr, warmup_batch_tokens=args.batch_tokens, train_vocab=args.train_vocab,
         hidden_loss_weight=1.0, token_loss_weight=args.token_weight, unroll=args.unroll,
-        feature_noise=args.feature_noise)
+        feature_noise=args.feature_noise, warmup_continue=0)  # its answers run to the cap it decodes at
     drafter, info = warmup_drafter(model, task, recipe, sampling=SamplingParams(temperature=args.train_temperature),
                                    policy_key=weights_digest(folder), max_new_tokens=args.max_new_tokens,
                                    seed=args.train_seed, cache_dir=args.cache_dir, retrain=args.retrain,
