@@ -348,6 +348,25 @@ def test_the_warmup_decodes_its_first_cut_answers_on_to_the_rollouts_cap(target,
         torch.testing.assert_close(hid2.float(), target(toks2[None]).hidden[0].float(), atol=2e-2, rtol=2e-2)
 
 
+def test_the_warmups_progress_counts_on_through_its_phases_and_never_goes_back(target, tmp_path):
+    """The answers, the continued answers and the steps on one count (what a run's page and the bench
+    show): with continued answers it once fell back from 2117 to 2098 of 5048 when the steps began."""
+    from workers.tlt.learn.drafter_warmup import progress_scale, warmup_drafter
+    from workers.tlt.rollout.sampling import SamplingParams
+    from workers.tlt.tasks import make_task
+
+    cfg = DrafterSection(warmup_prompts=8, warmup_max_new_tokens=6, warmup_continue=3, warmup_steps=4,
+                         warmup_batch_tokens=256, train_vocab=6)
+    starts, total = progress_scale(cfg)
+    seen: list[tuple[int, str]] = []
+    warmup_drafter(target, make_task("longtail"), cfg, sampling=SamplingParams(temperature=1.0), policy_key="k",
+                   max_new_tokens=30, seed=0, cache_dir=tmp_path,
+                   on_progress=lambda done, of, what: seen.append((starts[what] + done, what)))
+    counts = [at for at, _ in seen]
+    assert [what for what in dict.fromkeys(w for _, w in seen)] == ["answers", "continued answers", "steps"]
+    assert counts == sorted(counts) and counts[-1] == total == 8 + 3 + 4
+
+
 def test_spot_training_resumes_the_warmups_adamw_at_its_own_rate(target):
     """A fresh AdamW's first step moves every weight by its learning rate (m / sqrt(v) = sign(g)); one
     resumed from the warm-up's moments moves each by what the moments say, mostly far less."""

@@ -260,17 +260,15 @@ class Trainer:
     def _warmup_drafter(self) -> None:
         """Offline drafter warm-up on the starting policy's own answers (before step 1, TLT only;
         learn/drafter_warmup.py: one recipe with the rollout bench, cached across runs)."""
-        from .learn.drafter_warmup import warmup_drafter, warmup_optimizer, weights_digest
+        from .learn.drafter_warmup import progress_scale, warmup_drafter, warmup_optimizer, weights_digest
 
         cfg = self.cfg
-        prompts, steps = cfg.drafter.warmup_prompts, cfg.drafter.warmup_steps
-        total = prompts + steps  # progress: the policy's answers first, then the optimizer steps
+        starts, total = progress_scale(cfg.drafter)
 
         def report(done: int, of: int, what: str) -> None:
-            at = done if what == "answers" else prompts + done
-            self.tracking.progress("drafter_warmup", at, total, f"{what} {done}/{of}")
+            self.tracking.progress("drafter_warmup", starts[what] + done, total, f"{what} {done}/{of}")
 
-        report(0, prompts, "answers")
+        report(0, cfg.drafter.warmup_prompts, "answers")
         drafter, info = warmup_drafter(self.policy, self.task, cfg.drafter, sampling=sampling_params(cfg.rollout),
                                        policy_key=weights_digest(self.policy_folder),
                                        max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,

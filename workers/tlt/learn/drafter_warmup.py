@@ -33,6 +33,7 @@ Cost (first run; later runs load the cache in a second): printed as it goes and 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -65,7 +66,16 @@ GEN_BATCH = 128  # answers decoded together (finished rows leave the batch; the 
 # answers decoded on together (continue_answers): on 2 AVX2 EPYC cores 32 rows of SmolLM2 decoded 192
 # tokens/s against 155 at 128 rows (2026-12-07), and their KV cache at a 1024-token cap is a quarter's
 CONTINUE_BATCH = 32
-Progress = Callable[[int, int, str], None]  # (done, total, what)
+Progress = Callable[[int, int, str], None]  # (done, total, what): `what` names the phase (progress_scale)
+
+
+def progress_scale(cfg: "DrafterSection") -> tuple[dict[str, int], int]:
+    """One count over the whole warm-up: where each phase's count starts, and where the last ends.
+    The phases run in this order and count at most these many (continued answers: those that ran to
+    the cap, at most warmup_continue), so a caller's count never goes back between phases."""
+    sizes = {"answers": cfg.warmup_prompts, "continued answers": cfg.warmup_continue, "steps": cfg.warmup_steps}
+    starts = dict(zip(sizes, itertools.accumulate([0, *sizes.values()])))
+    return starts, sum(sizes.values())
 
 Answer = tuple[Tensor, Tensor, int]  # tokens [L] int64, hidden [L, H] float16 (h_i pairs with token i+1), prompt length
 
