@@ -114,8 +114,23 @@ def test_recipes_are_scored_on_answers_they_never_trained_on():
     for r in got.values():
         assert 0.0 < r["step1"] <= 1.0 and 0.0 < r["step2"] <= 1.0
     assert got["trained"]["step1"] > got["untrained"]["step1"] + 0.05  # it generalises to the held-out answers
+    assert (got["untrained"]["steps"], got["trained"]["steps"]) == (0, 80)
     with pytest.raises(ValueError, match="holdout"):
         recipe_scores(target, answers, recipes, holdout=24, ids_size=0, temperature=1.0, depth=4, eos_ids=[2])
+
+
+def test_a_recipe_trains_the_shared_step_count_unless_it_sets_its_own():
+    from workers.tlt.bench.coupling import recipe_sections
+
+    got = recipe_sections("smollm2-mathmix-cpu", ["drafter.feature_noise=0.5"],
+                          ["drafter.train_vocab=4096", "drafter.train_vocab=4096,drafter.warmup_steps=3800"], 3000)
+    assert {k: (r.warmup_steps, r.train_vocab, r.feature_noise) for k, r in got.items()} == {
+        "preset": (3000, 8192, 0.5),
+        "drafter.train_vocab=4096": (3000, 4096, 0.5),
+        "drafter.train_vocab=4096,drafter.warmup_steps=3800": (3800, 4096, 0.5)}
+    for fixed in ("drafter.warmup_prompts=4096", "spec.threshold=8"):  # the answers, or not the drafter's recipe
+        with pytest.raises(SystemExit, match=fixed.split("=")[0]):
+            recipe_sections("smollm2-mathmix-cpu", [], [fixed], 3000)
 
 
 def test_position_means_bucket_each_answers_positions_from_its_start():

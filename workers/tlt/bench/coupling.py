@@ -51,7 +51,8 @@ batch ("before": none), and under "fresh_adamw" the same from fresh AdamW moment
 trained before they resumed the warm-up's).
 
 `--recipes` compares warm-up recipes instead, cheaply: each (comma-separated `--set` overrides of
-the preset, beside the preset's own recipe) trains a fresh drafter for `--recipe-steps` on the
+the preset, beside the preset's own recipe) trains a fresh drafter for `--recipe-steps` (or its own
+`drafter.warmup_steps`: a cheaper recipe may train longer, to compare at equal time) on the
 cached warm-up answers but the last `--holdout`, which score it: keyed agreement at the preset's
 temperature at draft step 1 (the target's own state in) and step 2 (the drafter's predicted state
 in, as when drafting a chain; given step 1 agreed), and `chain_tokens`, the tokens a verify pass of
@@ -86,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", nargs="*", default=None, metavar="SECTION.FIELD=VALUE[,...]",
                    help="instead: warm-up recipes compared with the preset's on held-out warm-up answers (module doc; "
                         "none given: the preset's alone)")
-    p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe")
+    p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe (a recipe may set its own drafter.warmup_steps)")
     p.add_argument("--holdout", type=int, default=96, help="warm-up answers kept out of training to score recipes")
     p.add_argument("--draft-temperatures", type=float, nargs="*", default=[],
                    help="also: held-out keyed agreement at draft steps 1 and 2 with the drafter's q at these "
@@ -339,13 +340,31 @@ def recipe_scores(policy, answers, recipes: dict[str, Any], holdout: int, ids_si
         ids = draft_vocab_ids(drafter.token_counts, ids_size, eos_ids) if ids_size else None
         a1, a2 = (keyed_agreement(policy, drafter, held, ids, temperature, step) for step in (1, 2))
         out[name] = {"step1": round(a1, 4), "step2": round(a2, 4), "chain_tokens": round(chain_tokens(a1, a2, depth), 3),
-                     "train_s": info["train_s"]}
+                     "steps": info["steps"], "train_s": info["train_s"]}
     return out
 
 
-# what decides the answers every recipe shares, and the step count all of them train for
-FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "drafter.warmup_continue",
-                    "drafter.warmup_steps"}
+# what decides the answers every recipe shares
+FIXED_IN_RECIPES = {"drafter.warmup_prompts", "drafter.warmup_max_new_tokens", "drafter.warmup_continue"}
+
+
+def recipe_sections(preset_name: str, sets: list[str], recipes: list[str], steps: int) -> dict[str, Any]:
+    """name -> DrafterSection of the preset's recipe and each of `recipes` (comma-separated `--set`
+    overrides on top of `sets`), each training `steps` steps unless it sets its own
+    drafter.warmup_steps: a cheaper recipe may train longer, for a comparison at equal time."""
+    from ..config import preset
+    from .e2e import parse_overrides
+
+    out = {"preset": preset(preset_name, parse_overrides(sets)).drafter.model_copy(update={"warmup_steps": steps})}
+    for r in recipes:
+        own = parse_overrides(r.split(","))
+        fields = {f"{section}.{field}" for section, d in own.items() for field in d}
+        if bad := sorted(f for f in fields if not f.startswith("drafter.") or f in FIXED_IN_RECIPES):
+            raise SystemExit(f"--recipes {r!r}: {', '.join(bad)} cannot vary here: a recipe changes how the drafter "
+                             "trains on the same answers (drafter.* but the answers' fields)")
+        out[r] = preset(preset_name, parse_overrides([*sets, *r.split(",")])).drafter.model_copy(
+            update={"warmup_steps": own.get("drafter", {}).get("warmup_steps", steps)})
+    return out
 
 
 def _preset_policy(args: argparse.Namespace):
@@ -364,25 +383,16 @@ def _preset_policy(args: argparse.Namespace):
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from ..config import preset
     from ..learn.drafter_warmup import stop_ids, warmup_answers, weights_digest
     from ..models.linear import cpu_name
     from ..rollout.sampling import sampling_params
-    from .e2e import parse_overrides
     from .progress import PhaseProgress
 
     cfg, folder, policy, task = _preset_policy(args)
     answers = warmup_answers(policy, task, cfg.drafter, sampling=sampling_params(cfg.rollout),
                              policy_key=weights_digest(folder), max_new_tokens=cfg.rollout.max_new_tokens,
                              seed=cfg.run.seed, on_progress=PhaseProgress("[bench coupling] warm-up answers").warmup)
-    recipes = {"preset": cfg.drafter.model_copy(update={"warmup_steps": args.recipe_steps})}
-    for r in args.recipes:
-        fields = {f"{section}.{field}" for section, d in parse_overrides(r.split(",")).items() for field in d}
-        if bad := sorted(f for f in fields if not f.startswith("drafter.") or f in FIXED_IN_RECIPES):
-            raise SystemExit(f"--recipes {r!r}: {', '.join(bad)} cannot vary here: a recipe changes how the drafter "
-                             "trains on the same answers (drafter.* but the answers' fields; steps: --recipe-steps)")
-        recipes[r] = preset(args.preset, parse_overrides([*args.set, *r.split(",")])).drafter.model_copy(
-            update={"warmup_steps": args.recipe_steps})
+    recipes = recipe_sections(args.preset, args.set, args.recipes, args.recipe_steps)
     depth = max((d for d, k, _ in cfg.spec.strategies if k == 1), default=max(d for d, _, _ in cfg.spec.strategies))
     scores = recipe_scores(policy, answers, recipes, args.holdout, cfg.spec.draft_vocab, cfg.rollout.temperature,
                            depth, stop_ids(policy, task), cfg.run.seed)
