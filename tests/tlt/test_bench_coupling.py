@@ -122,12 +122,15 @@ def test_recipes_are_scored_on_answers_they_never_trained_on():
 def test_a_recipe_trains_the_shared_step_count_unless_it_sets_its_own():
     from workers.tlt.bench.coupling import recipe_sections
 
+    from workers.tlt.config import preset
+
+    own_vocab = preset("smollm2-mathmix-cpu").drafter.train_vocab
     got = recipe_sections("smollm2-mathmix-cpu", ["drafter.feature_noise=0.5"],
-                          ["drafter.train_vocab=4096", "drafter.train_vocab=4096,drafter.warmup_steps=3800"], 3000)
+                          ["drafter.train_vocab=2048", "drafter.train_vocab=2048,drafter.warmup_steps=5000"], 300)
     assert {k: (r.warmup_steps, r.train_vocab, r.feature_noise) for k, r in got.items()} == {
-        "preset": (3000, 8192, 0.5),
-        "drafter.train_vocab=4096": (3000, 4096, 0.5),
-        "drafter.train_vocab=4096,drafter.warmup_steps=3800": (3800, 4096, 0.5)}
+        "preset": (300, own_vocab, 0.5),
+        "drafter.train_vocab=2048": (300, 2048, 0.5),
+        "drafter.train_vocab=2048,drafter.warmup_steps=5000": (5000, 2048, 0.5)}
     for fixed in ("drafter.warmup_prompts=4096", "spec.threshold=8"):  # the answers, or not the drafter's recipe
         with pytest.raises(SystemExit, match=fixed.split("=")[0]):
             recipe_sections("smollm2-mathmix-cpu", [], [fixed], 3000)

@@ -320,20 +320,22 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "hybrid_depth": 5},
         # warm-up: 2048 answers cut at 384 tokens (~150k response tokens, nearly all from the word
         # problems whose long answers are what the tail drafts; at 1500 steps held-out keyed agreement
-        # 0.63, 0.60 with 1024 answers), a training vocabulary of the 8192 most frequent tokens (a 49k-word LM
-        # head per training token would cost more than the rest of the drafter). Spot training goes on
-        # at the warm-up's final rate, one pass over each step's new answers, in one-step updates of
-        # 512 tokens that fit a CPU run's idle windows: at 3e-4 a few steps on one step's answers cut
-        # held-out agreement from 0.57 to 0.51, at 5e-5 to 0.56 (README "Spot training's rate").
-        # 3000 warm-up steps (~30 passes over the answers, 25 min on 2 cores, cached) rather than
-        # 1500: the drafter still underfits at 1500 (top-1 0.76 on its own answers, 0.84 at 3000),
-        # and the e2e bench's acceptance rose from 2.26 to 2.46 tokens per pass. At 3000 it fits its own
-        # answers better than held-out ones (top-1 0.86; held-out keyed agreement 0.66): EAGLE's feature
-        # noise (0.2 of each state's RMS) raised held-out draft step 2 from 0.560 to 0.572 there, a chain's
-        # tokens per pass by ~2% (README "Warm-up recipes"). Spot training only once the
+        # 0.63, 0.60 with 1024 answers). Its soft cross-entropy runs over the 4096 most frequent tokens,
+        # the draft vocabulary the drafter proposes from (a 49k-word LM head per training token would cost
+        # more than the rest of the drafter; at 8192 tokens the head was still half of a step). Spot
+        # training goes on at the warm-up's final rate, one pass over each step's new answers, in one-step
+        # updates of 512 tokens that fit a CPU run's idle windows: at 3e-4 a few steps on one step's
+        # answers cut held-out agreement from 0.57 to 0.51, at 5e-5 to 0.56 (README "Spot training's rate").
+        # 3000 warm-up steps at the 8192-token head (~30 passes over the answers, 25 min on 2 cores,
+        # cached) rather than 1500: the drafter still underfits at 1500 (top-1 0.76 on its own answers,
+        # 0.84 at 3000), and the e2e bench's acceptance rose from 2.26 to 2.46 tokens per pass. 3800 steps
+        # at the 4096-token head take about that time and score 1.8% more tokens per chain pass held out
+        # (README "Warm-up recipes"). It fits its own answers better than held-out ones (top-1 0.86;
+        # held-out keyed agreement 0.66): EAGLE's feature noise (0.2 of each state's RMS) raised held-out
+        # draft step 2 from 0.560 to 0.572, a chain's tokens per pass by ~2%. Spot training only once the
         # drafter has gone stale (its chain acceptance down 20%): on 2 cores its core is lent to the tail
         # otherwise, and over 20 steps the frozen drafter accepted as much (README "Spot training on demand")
-        "drafter": {"warmup_prompts": 2048, "warmup_steps": 3000, "warmup_max_new_tokens": 384, "train_vocab": 8192,
+        "drafter": {"warmup_prompts": 2048, "warmup_steps": 3800, "warmup_max_new_tokens": 384, "train_vocab": 4096,
                     "lr": 5e-5, "batch_tokens": 512, "spot_update_steps": 1, "spot_max_epochs": 1.0,
                     "spot_stale_drop": 0.2, "feature_noise": 0.2},
         "grpo": {"lr": 1e-5, "micro_batch": 8, "micro_batch_tokens": 4096, "compute_dtype": "auto"},
