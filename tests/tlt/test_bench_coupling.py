@@ -121,7 +121,6 @@ def test_recipes_are_scored_on_answers_they_never_trained_on():
 
 def test_a_recipe_trains_the_shared_step_count_unless_it_sets_its_own():
     from workers.tlt.bench.coupling import recipe_sections
-
     from workers.tlt.config import preset
 
     own_vocab = preset("smollm2-mathmix-cpu").drafter.train_vocab

@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", nargs="*", default=None, metavar="SECTION.FIELD=VALUE[,...]",
                    help="instead: warm-up recipes compared with the preset's on held-out warm-up answers (module doc; "
                         "none given: the preset's alone)")
-    p.add_argument("--recipe-steps", type=int, default=400, help="warm-up steps of each compared recipe (a recipe may set its own drafter.warmup_steps)")
+    p.add_argument("--recipe-steps", type=int, default=400,
+                   help="warm-up steps of each compared recipe (a recipe may set its own drafter.warmup_steps)")
     p.add_argument("--holdout", type=int, default=96, help="warm-up answers kept out of training to score recipes")
     p.add_argument("--draft-temperatures", type=float, nargs="*", default=[],
                    help="also: held-out keyed agreement at draft steps 1 and 2 with the drafter's q at these "
